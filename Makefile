@@ -1,0 +1,30 @@
+# Quick start: `make demo` (set up, pull the default model pair, one speculative generation) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU machines take the CPU build of torch (a plain `torch` requirement pulls a multi-GB CUDA build).
+# GPU users: `make setup TORCH=torch` keeps whatever CUDA build pip picks.
+TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+PROMPT ?= Write a Python function that checks whether a string is a palindrome, with a docstring and tests.
+
+.PHONY: setup dev demo test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e .
+
+dev: setup
+	$(BIN)/pip install -q -e ".[dev]"
+
+demo: setup
+	$(BIN)/specdecode models pull qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(BIN)/specdecode generate --chat --method draft "$(PROMPT)"
+
+test: dev
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,107 @@
+"""Plain configuration records: the model's shape, how to sample, how to speculate.
+
+`ModelConfig.from_hf` is the one place where a Hugging Face `config.json` is translated into the flags that
+`model.py` understands (qkv bias, q/k norm, tied embeddings, rope scaling); unknown keys are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdecode.errors import SpecdecodeError
+
+# Families model.py implements natively; anything else goes through hf_model.HFModel.
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        model_type = hf.get("model_type", "llama")
+        if model_type not in NATIVE_MODEL_TYPES:
+            raise SpecdecodeError(
+                f"model type '{model_type}' has no native implementation; load it with backend='hf'"
+            )
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(hf),
+            rope_scaling=_rope_scaling(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and never writes the flag; Llama-style configs say attention_bias.
+            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in ("linear", "llama3"):
+        raise SpecdecodeError(f"rope scaling '{kind}' is not supported natively; load the model with backend='hf'")
+    return dict(scaling, rope_type=kind)
+
+
+@dataclass
+class SamplingParams:
+    """How the target's next-token distribution is turned into tokens. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise SpecdecodeError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SpecdecodeError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SpecdecodeError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise SpecdecodeError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

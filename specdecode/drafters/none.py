@@ -1,0 +1,16 @@
+"""No drafter: the engine then runs plain autoregressive decoding, the baseline every speedup is measured on."""
+
+from __future__ import annotations
+
+from specdecode.drafters.base import Draft, DraftContext
+
+
+class NoDrafter:
+    def reset(self) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        return Draft.empty()
+
+    def commit(self, num_accepted: int) -> None:
+        pass

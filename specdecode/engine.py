@@ -1,0 +1,128 @@
+"""The speculative decoding loop: prefill, then propose -> verify -> commit until a stop.
+
+Each decode step feeds the target the last committed token (the root) followed by the draft, all in one forward
+at explicit positions; the verifier keeps a prefix of the draft and adds one token of the target's own; the cache
+is truncated to the kept prefix by absolute length. Invariant between steps, asserted in the tests:
+    cache.length == len(tokens) - 1      (the last token is emitted but not yet fed)
+The engine knows token ids only; text, stop strings and chat templates live one layer up (api.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.errors import SpecdecodeError
+from specdecode.masks import chain_mask
+from specdecode.sampling import make_generator, sample, to_probs
+from specdecode.stats import GenerationStats
+from specdecode.verify import verify_chain
+
+
+@dataclass(slots=True)
+class Step:
+    tokens: list[int]  # emitted by this step, after stop cuts
+    num_drafted: int
+    num_accepted: int  # the first num_accepted of `tokens` (or fewer, after a cut) came from the draft
+    finish_reason: str | None  # None, "stop" (EOS) or "length" (max_new_tokens or context)
+
+
+class Engine:
+    def __init__(self, target: torch.nn.Module, drafter: Drafter, num_draft_tokens: int = 4,
+                 max_len: int = 8192) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens
+        self.max_len = min(max_len, target.max_context)
+        self.cache = None  # allocated on first use, reused across requests
+        self.stats = GenerationStats()  # of the request in progress, or the last one
+        self.tokens: list[int] = []  # prompt + emitted tokens of that request
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
+        """Yield one Step per target forward; the first comes from prefill. Stats land in `self.stats`."""
+        if not prompt_ids:
+            raise SpecdecodeError("the prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.max_len:
+            raise SpecdecodeError(
+                f"the prompt has {len(prompt_ids)} tokens but the context window is {self.max_len}: "
+                "shorten the prompt or raise max_len"
+            )
+        return self._run(list(prompt_ids), params)
+
+    @torch.inference_mode()
+    def _run(self, tokens: list[int], params: SamplingParams) -> Iterator[Step]:
+        if self.cache is None:
+            self.cache = self.target.new_cache(1, self.max_len)
+        cache, drafter = self.cache, self.drafter
+        cache.reset()
+        drafter.reset()
+        self.tokens = tokens
+        stats = self.stats = GenerationStats(prompt_tokens=len(tokens))
+        generator = None if params.greedy else make_generator(params.seed, self.target.device)
+        eos = set() if params.ignore_eos else set(self.target.config.eos_token_ids)
+        start = time.perf_counter()
+
+        first, hidden = self._prefill(tokens, params, generator)
+        stats.ttft_s = time.perf_counter() - start
+        step = self._finish([first], 0, 0, tokens, params, eos)
+        stats.new_tokens = len(step.tokens)
+        stats.wall_s = stats.ttft_s
+        yield step
+        while step.finish_reason is None:
+            t0 = time.perf_counter()
+            budget = min(self.num_draft_tokens, params.max_new_tokens - stats.new_tokens - 1,
+                         self.max_len - len(tokens) - 1)
+            ctx = DraftContext(tokens, params, generator, hidden)
+            draft = drafter.propose(ctx, budget) if budget > 0 else Draft.empty()
+            emitted, num_accepted, hidden = self._verify(tokens[-1], draft, params, generator)
+            drafter.commit(num_accepted)
+            step = self._finish(emitted, len(draft), num_accepted, tokens, params, eos)
+            now = time.perf_counter()
+            stats.record_step(len(draft), num_accepted, len(step.tokens), now - t0)
+            stats.wall_s = now - start
+            yield step
+
+    def _prefill(self, tokens: list[int], params: SamplingParams,
+                 generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+        ids = torch.tensor([tokens], device=self.target.device)  # [1, T]
+        positions = torch.arange(len(tokens), device=ids.device)[None]
+        logits, hidden = self.target(ids, positions, self.cache, chain_mask(0, len(tokens), ids.device),
+                                     logits_from=len(tokens) - 1)
+        self.cache.truncate(len(tokens))  # the sampled first token becomes the root of the first decode step
+        probs = to_probs(logits[0, -1], params)
+        token = int(probs.argmax()) if params.greedy else int(sample(probs, generator))
+        return token, hidden[0, -1:]
+
+    def _verify(self, root: int, draft: Draft, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], int, torch.Tensor]:
+        """One target forward over [root, *draft]; -> (emitted tokens, number accepted, their hidden states)."""
+        device = self.target.device
+        start, n = self.cache.length, len(draft)
+        ids = torch.cat((torch.tensor([root], device=device), draft.tokens.to(device)))[None]  # [1, n + 1]
+        positions = torch.arange(start, start + n + 1, device=device)[None]
+        logits, hidden = self.target(ids, positions, self.cache, chain_mask(start, n + 1, device))
+        verdict = verify_chain(logits[0], draft.tokens.to(device), draft.probs, params, generator)
+        # Valid now: the root and the accepted draft tokens. The emitted last token is fed next step.
+        self.cache.truncate(start + 1 + verdict.num_accepted)
+        return verdict.emitted.tolist(), verdict.num_accepted, hidden[0, : verdict.num_accepted + 1]
+
+    def _finish(self, emitted: list[int], num_drafted: int, num_accepted: int, tokens: list[int],
+                params: SamplingParams, eos: set[int]) -> Step:
+        """Cut `emitted` at EOS or the token budget, append it to `tokens`, and say why generation ends."""
+        reason = None
+        for i, token in enumerate(emitted):
+            if token in eos:
+                emitted, reason = emitted[: i + 1], "stop"
+                break
+        room = params.max_new_tokens - (len(tokens) + len(emitted) - self.stats.prompt_tokens)
+        if room <= 0:
+            emitted, reason = emitted[: len(emitted) + room], reason or "length"
+        tokens.extend(emitted)
+        if reason is None and len(tokens) >= self.max_len:
+            reason = "length"
+        return Step(emitted, num_drafted, min(num_accepted, len(emitted)), reason)

@@ -1,0 +1,58 @@
+"""Preallocated key/value cache whose rollback is setting an absolute length.
+
+Buffers are allocated once as [layers, batch, kv_heads, max_len, head_dim] (the layout attention reads without
+a transpose). The model writes keys and values at explicit positions; the engine, never the model, decides how
+many of them are valid by setting `length`. Rejected draft tokens are dropped by `truncate`, which moves no data:
+the next forward simply overwrites them. Rows of a batch share one length for now; ragged batches would make
+`length` per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0  # number of valid positions, [0, length)
+
+    def truncate(self, length: int) -> None:
+        """Keep positions [0, length); everything after is garbage that the next write replaces."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"cache length {length} outside [0, {self.max_len}]")
+        self.length = length
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Compact after a tree step: positions `indices` (ascending, absolute, all >= length) move to
+        length, length+1, ... and become valid. A chain that keeps its prefix needs no call."""
+        # indices: [n]
+        start = self.length
+        dest = torch.arange(start, start + indices.numel(), device=self.k.device)
+        self.k[:, :, :, dest] = self.k[:, :, :, indices]
+        self.v[:, :, :, dest] = self.v[:, :, :, indices]
+        self.length = start + indices.numel()
+
+    def grow(self, max_len: int) -> None:
+        """Reallocate larger buffers, keeping the valid prefix (for caches sized lazily, like a drafter's)."""
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], max_len, old.shape[4])
+            new[:, :, :, : self.length] = old[:, :, :, : self.length]
+            setattr(self, name, new)
+        self.max_len = max_len
+
+    def reset(self) -> None:
+        self.length = 0

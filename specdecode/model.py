@@ -1,0 +1,176 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) in one file.
+
+Differences between the families are config flags (`qkv_bias`, `qk_norm`, tied embeddings, rope scaling), never
+forked copies. Parameter names are Hugging Face's, so a HF state dict loads as is.
+
+Forward contract, shared with `hf_model.HFModel`:
+    forward(tokens [B, T], positions [B, T], cache, attn_mask [B, 1, T, S] bool, logits_from) -> (logits, hidden)
+Keys and values of the T new tokens are written into `cache` at `positions`; attention reads cache positions
+[0, S) under `attn_mask` (True = may attend). The caller owns `cache.length`. Explicit positions and masks are what
+let one forward verify a chain or a tree of draft tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.config import ModelConfig
+from specdecode.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference implementations, so float32 parity is exact.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, config.num_heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, d]
+        cos: torch.Tensor,  # [B, 1, T, hd]
+        sin: torch.Tensor,  # [B, 1, T, hd]
+        k_cache: torch.Tensor,  # [B, kv_heads, max_len, hd]
+        v_cache: torch.Tensor,  # [B, kv_heads, max_len, hd]
+        write_pos: torch.Tensor,  # [T]
+        attn_mask: torch.Tensor,  # [B, 1, T, S]
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache.index_copy_(2, write_pos, k)
+        v_cache.index_copy_(2, write_pos, v)
+        span = attn_mask.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=attn_mask, enable_gqa=True
+        )  # [B, H, T, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]; rows share positions while the cache shares one length
+        cache: KVCache,
+        attn_mask: torch.Tensor,  # [B or 1, 1, T, S] bool
+        logits_from: int = 0,  # logits only for positions [logits_from, T): prefill needs the last one only
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.model.embed_tokens(tokens)  # [B, T, d]
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        write_pos = positions[0]
+        for i, block in enumerate(self.model.layers):
+            h = block.self_attn(block.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], write_pos, attn_mask)
+            x = x + h
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        hidden = self.model.norm(x)  # [B, T, d]
+        logits = self.lm_head(hidden[:, logits_from:]).float()  # [B, T - logits_from, vocab]
+        return logits, hidden

@@ -1,0 +1,137 @@
+"""The whole loop: greedy identity for every drafter, cache invariants, and exact output distributions."""
+
+import itertools
+
+import pytest
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specdecode.engine import Engine
+from specdecode.masks import chain_mask
+from tiny import tiny_native
+from toy import BigramModel, ScriptedDrafter, l1_bound, random_chain
+
+PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
+
+
+def run(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [t for step in engine.generate(prompt, params) for t in step.tokens]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_native("qwen2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return run(Engine(target, NoDrafter()), PROMPT, SamplingParams(max_new_tokens=40))
+
+
+def drafters(target):
+    true = lambda: run(Engine(target, NoDrafter()), PROMPT, SamplingParams(max_new_tokens=60))
+    full = PROMPT + true()
+    return {
+        "ngram": NgramDrafter(),
+        "draft-model": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64),
+        "draft-model-llama": DraftModelDrafter(tiny_native("llama", seed=2), vocab_size=64),
+        "self-draft": DraftModelDrafter(target, vocab_size=64),
+        "always-right": ScriptedDrafter(lambda toks, k: full[len(toks): len(toks) + k]),
+        "always-wrong": ScriptedDrafter(lambda toks, k: [(full[len(toks) + i] + 1) % 64 for i in range(k)]),
+        "empty": ScriptedDrafter(lambda toks, k: []),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_is_token_identical_for_every_drafter(target, reference, k):
+    for name, drafter in drafters(target).items():
+        engine = Engine(target, drafter, num_draft_tokens=k)
+        assert run(engine, PROMPT, SamplingParams(max_new_tokens=40)) == reference, name
+        stats = engine.stats
+        if name in ("always-right", "self-draft"):
+            assert stats.acceptance_rate == 1.0, name
+        if name in ("always-wrong", "empty"):
+            assert stats.accepted_tokens == 0 and stats.mean_accepted_length == 1.0, name
+
+
+def test_stops_inside_a_draft(target, reference):
+    eos = reference[7]
+    first_eos = reference.index(eos)
+    target.config.eos_token_ids = (eos,)
+    try:
+        for drafter in drafters(target).values():
+            out = run(Engine(target, drafter, num_draft_tokens=5), PROMPT, SamplingParams(max_new_tokens=40))
+            assert out == reference[: first_eos + 1]
+    finally:
+        target.config.eos_token_ids = ()
+    for n in (1, 2, 7, 13):  # max_new_tokens cuts inside a draft too
+        engine = Engine(target, drafters(target)["always-right"], num_draft_tokens=5)
+        steps = list(engine.generate(PROMPT, SamplingParams(max_new_tokens=n)))
+        assert [t for s in steps for t in s.tokens] == reference[:n]
+        assert steps[-1].finish_reason == "length" and engine.stats.new_tokens == n
+
+
+def test_context_limit_stops_cleanly(target, reference):
+    engine = Engine(target, drafters(target)["always-right"], num_draft_tokens=4, max_len=len(PROMPT) + 10)
+    steps = list(engine.generate(PROMPT, SamplingParams(max_new_tokens=40)))
+    assert [t for s in steps for t in s.tokens] == reference[:10]
+    assert steps[-1].finish_reason == "length"
+
+
+def test_cache_matches_a_fresh_prefill_after_every_step(target):
+    engine = Engine(target, DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64), num_draft_tokens=4)
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=0)
+    for _ in engine.generate(PROMPT, params):
+        cache, tokens = engine.cache, engine.tokens
+        assert cache.length == len(tokens) - 1
+        fresh = target.new_cache(1, 64)
+        ids = torch.tensor([tokens[:-1]])
+        target(ids, torch.arange(ids.shape[1])[None], fresh, chain_mask(0, ids.shape[1]))
+        n = cache.length
+        assert torch.allclose(cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-5)
+        assert torch.allclose(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-5)
+        drafter_cache = engine.drafter.cache  # holds a prefix of the tokens (None before the first draft)
+        assert drafter_cache is None or drafter_cache.length <= len(tokens)
+
+
+def test_sampling_with_seed_is_reproducible(target):
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=123)
+    engine = Engine(target, DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64))
+    assert run(engine, PROMPT, params) == run(engine, PROMPT, params)
+
+
+def exact_sequence_probs(chain: torch.Tensor, start: int, length: int, eos: int) -> dict[tuple, float]:
+    """Probability of every output (cut after EOS or at `length` tokens) of a Markov chain."""
+    out: dict[tuple, float] = {}
+    vocab = chain.shape[0]
+    for seq in itertools.product(range(vocab), repeat=length):
+        if eos in seq:
+            seq = seq[: seq.index(eos) + 1]
+        prob, prev = 1.0, start
+        for tok in seq:
+            prob *= float(chain[prev, tok])
+            prev = tok
+        out[seq] = prob  # sequences cut at EOS repeat; their probability is the same each time
+    return out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_new_tokens=3),
+                                    SamplingParams(temperature=0.6, top_k=3, max_new_tokens=3)])
+def test_whole_loop_output_distribution_is_the_targets(params):
+    """Real engine, draft-model drafter, EOS and the token budget landing inside drafts; chi-by-L1 bound."""
+    vocab, eos, trials = 4, 3, 6000
+    target_chain, draft_chain = random_chain(vocab, 10), random_chain(vocab, 11, sharpness=2.0)
+    transformed = torch.stack([torch.as_tensor(p) for p in
+                               __import__("specdecode.sampling", fromlist=["to_probs"]).to_probs(
+                                   target_chain.log(), params)])
+    exact = exact_sequence_probs(transformed, start=0, length=3, eos=eos)
+    target = BigramModel(target_chain, eos=(eos,))
+    engine = Engine(target, DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab), num_draft_tokens=4)
+    counts: dict[tuple, int] = {}
+    for i in range(trials):
+        out = tuple(run(engine, [0], SamplingParams(**{**params.__dict__, "seed": i})))
+        counts[out] = counts.get(out, 0) + 1
+    assert set(counts) <= set(exact)
+    l1 = sum(abs(counts.get(seq, 0) / trials - p) for seq, p in exact.items())
+    assert l1 < l1_bound(len(exact), trials), l1

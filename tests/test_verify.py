@@ -1,0 +1,90 @@
+"""Verifier algebra (exact, float64) and the sampled distribution of the first emitted token (seeded)."""
+
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.sampling import make_generator, sample, to_probs
+from specdecode.verify import acceptance_probs, residual, verify_chain
+from toy import l1_bound
+
+
+def random_probs(vocab: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(vocab, generator=gen, dtype=torch.float64).mul(2).softmax(-1)
+
+
+def test_rejection_rule_reproduces_target_exactly():
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (4, 7, 16):
+        for _ in range(20):
+            target, draft = random_probs(vocab, gen), random_probs(vocab, gen)
+            tokens = torch.arange(vocab)
+            accept = acceptance_probs(target.expand(vocab, -1), tokens, draft.expand(vocab, -1))  # a(x)
+            rest = residual(target, tokens[0], draft)
+            rest = rest / rest.sum()
+            emitted = draft * accept + (1 - (draft * accept).sum()) * rest
+            assert torch.allclose(emitted, target, atol=1e-12, rtol=0)
+
+
+def test_rejection_rule_with_point_mass_draft_is_exact():
+    gen = torch.Generator().manual_seed(1)
+    for vocab in (4, 9):
+        target = random_probs(vocab, gen)
+        for guess in range(vocab):
+            accept = acceptance_probs(target[None], torch.tensor([guess]), None)[0]
+            rest = residual(target, torch.tensor(guess), None)
+            emitted = (1 - accept) * rest / rest.sum()
+            emitted[guess] += accept
+            assert torch.allclose(emitted, target, atol=1e-12, rtol=0)
+
+
+def test_residual_falls_back_to_target_when_draft_equals_target():
+    target = torch.tensor([0.25, 0.25, 0.5], dtype=torch.float64)
+    assert torch.equal(residual(target, torch.tensor(0), target.clone()), target)
+
+
+def test_sample_follows_probs():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    gen = make_generator(0)
+    draws = sample(probs.expand(200_000, -1), gen)
+    freq = torch.bincount(draws, minlength=4).double() / draws.numel()
+    assert freq[1] == 0
+    assert (freq - probs.double()).abs().sum() < l1_bound(4, 200_000)
+
+
+def test_greedy_accepts_longest_matching_prefix():
+    logits = torch.full((4, 10), -1.0)
+    logits[0, 3] = logits[1, 5] = logits[2, 7] = logits[3, 9] = 1.0  # target argmax: 3 5 7 9
+    params = SamplingParams()
+    verdict = verify_chain(logits, torch.tensor([3, 5, 1]), None, params, None)
+    assert verdict.num_accepted == 2 and verdict.emitted.tolist() == [3, 5, 7]
+    verdict = verify_chain(logits, torch.tensor([3, 5, 7]), None, params, None)
+    assert verdict.num_accepted == 3 and verdict.emitted.tolist() == [3, 5, 7, 9]  # bonus token
+    verdict = verify_chain(logits[:1], torch.tensor([], dtype=torch.long), None, params, None)
+    assert verdict.num_accepted == 0 and verdict.emitted.tolist() == [3]
+
+
+def test_first_emitted_token_is_distributed_as_target():
+    """Sampled drafts of 2 tokens from q; the first emitted token must follow p after the transform."""
+    vocab, trials = 6, 15_000
+    gen = torch.Generator().manual_seed(2)
+    target_logits = torch.randn(3, vocab, generator=gen)
+    draft_logits = torch.randn(2, vocab, generator=gen)
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4, top_p=0.9)):
+        target = to_probs(target_logits, params)
+        draft_probs = to_probs(draft_logits, params)
+        rng = make_generator(3)
+        counts = torch.zeros(vocab, dtype=torch.float64)
+        draft_tokens = sample(draft_probs.expand(trials, -1, -1), rng)  # [trials, 2]
+        for row in draft_tokens:
+            verdict = verify_chain(target_logits, row, draft_probs, params, rng)
+            counts[verdict.emitted[0]] += 1
+        assert (counts / trials - target[0].double()).abs().sum() < l1_bound(vocab, trials)
+
+
+def test_top_k_top_p_transform():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    assert torch.count_nonzero(to_probs(logits, SamplingParams(temperature=1.0, top_k=2))) == 2
+    probs = to_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))  # p = .64 .24 .09 .03
+    assert torch.count_nonzero(probs) == 2 and abs(float(probs.sum()) - 1) < 1e-6
+    greedy = to_probs(logits, SamplingParams())
+    assert greedy.tolist() == [1.0, 0.0, 0.0, 0.0]

@@ -1,0 +1,64 @@
+"""Toy models with the engine's forward contract whose output distribution is known exactly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.drafters.base import Draft, DraftContext
+from specdecode.kv_cache import KVCache
+
+
+@dataclass
+class ToyConfig:
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class BigramModel(torch.nn.Module):
+    """A Markov chain: the next-token logits depend on the current token only; the cache is unused."""
+
+    def __init__(self, probs: torch.Tensor, eos: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.table = probs.log()  # [vocab, vocab]: row = current token
+        self.config = ToyConfig(probs.shape[0], eos)
+        self.max_context = 1024
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(1, batch, 1, max_len, 1, torch.float32)
+
+    def forward(self, tokens, positions, cache, attn_mask, logits_from=0):
+        logits = self.table[tokens]  # [B, T, vocab]
+        return logits[:, logits_from:], logits
+
+
+class ScriptedDrafter:
+    """Proposes what `oracle(tokens)` says: the true continuation (always right) or garbage (always wrong)."""
+
+    def __init__(self, oracle) -> None:
+        self.oracle = oracle
+        self.commits: list[int] = []
+
+    def reset(self) -> None:
+        self.commits.clear()
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        return Draft.chain(torch.tensor(self.oracle(ctx.tokens, max_tokens), dtype=torch.long))
+
+    def commit(self, num_accepted: int) -> None:
+        self.commits.append(num_accepted)
+
+
+def random_chain(vocab: int, seed: int, sharpness: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(vocab, vocab, generator=g, dtype=torch.float64) * sharpness).softmax(-1).float()
+
+
+def l1_bound(num_outcomes: int, num_samples: int, delta: float = 1e-6) -> float:
+    """L1 distance an empirical distribution exceeds with probability < delta (Bretagnolle-Huber-Carol)."""
+    import math
+
+    return math.sqrt(2 * (num_outcomes * math.log(2) + math.log(1 / delta)) / num_samples)
