@@ -5,9 +5,10 @@ forked copies. Parameter names are Hugging Face's, so a HF state dict loads as i
 
 Forward contract, shared with `hf_model.HFModel`:
     forward(tokens [B, T], positions [B, T], cache, attn_mask [B, 1, T, S] bool, logits_from) -> (logits, hidden)
-Keys and values of the T new tokens are written into `cache` at `positions`; attention reads cache positions
-[0, S) under `attn_mask` (True = may attend). The caller owns `cache.length`. Explicit positions and masks are what
-let one forward verify a chain or a tree of draft tokens.
+Keys and values of the T new tokens are written into cache slots [cache.length, cache.length + T); `positions`
+are their rotary positions (equal to the slots for a chain, the depth for tree nodes); attention reads slots
+[0, S) under `attn_mask` (True = may attend). The caller owns `cache.length` and advances it after the call.
+Explicit positions and masks are what let one forward verify a chain or a tree of draft tokens.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,  # [B, 1, T, hd]
         k_cache: torch.Tensor,  # [B, kv_heads, max_len, hd]
         v_cache: torch.Tensor,  # [B, kv_heads, max_len, hd]
-        write_pos: torch.Tensor,  # [T]
+        write_pos: torch.Tensor,  # [T] cache slots of the new tokens
         attn_mask: torch.Tensor,  # [B, 1, T, S]
     ) -> torch.Tensor:
         B, T, _ = x.shape
@@ -157,7 +158,7 @@ class Transformer(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,  # [B, T]
-        positions: torch.Tensor,  # [B, T]; rows share positions while the cache shares one length
+        positions: torch.Tensor,  # [B, T] rotary positions
         cache: KVCache,
         attn_mask: torch.Tensor,  # [B or 1, 1, T, S] bool
         logits_from: int = 0,  # logits only for positions [logits_from, T): prefill needs the last one only
@@ -166,7 +167,7 @@ class Transformer(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        write_pos = positions[0]
+        write_pos = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)  # [T]
         for i, block in enumerate(self.model.layers):
             h = block.self_attn(block.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], write_pos, attn_mask)
             x = x + h
