@@ -1,0 +1,3 @@
+from specdecode.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""The public Python API: load a target and a drafter, then generate text with speculation statistics.
+
+    from specdecode import SpecDecoder, SamplingParams
+    sd = SpecDecoder.load("qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct", method="draft")
+    result = sd.generate("def fib(n):", SamplingParams(max_new_tokens=64))
+    print(result.text, result.stats.acceptance_rate)
+
+This layer turns text into token ids (chat template included), streams text back with each token marked as
+drafted-and-accepted or not, and applies stop strings; the engine below it sees token ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.drafters import DRAFTERS
+from specdecode.engine import Engine
+from specdecode.errors import SpecdecodeError
+from specdecode.loading import load_model, load_tokenizer, resolve_dtype
+from specdecode.stats import GenerationStats
+from specdecode.text import TextStream
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+# Draft tokens per step when the user gives none; tuned on the dev prompts (see BENCHMARKS.md).
+DEFAULT_NUM_DRAFT_TOKENS = {"none": 0, "draft": 4, "ngram": 4}
+
+
+@dataclass
+class TextChunk:
+    pieces: list[str]  # text released with each token (empty while a character or stop string is incomplete)
+    token_ids: list[int]
+    from_draft: list[bool]  # per token: proposed by the drafter and accepted by the target
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    from_draft: list[bool]
+    finish_reason: str | None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class SpecDecoder:
+    def __init__(self, target: torch.nn.Module, tokenizer, drafter, method: str, num_draft_tokens: int,
+                 max_len: int = 8192) -> None:
+        self.tokenizer = tokenizer
+        self.method = method
+        self.engine = Engine(target, drafter, num_draft_tokens, max_len)
+
+    @classmethod
+    def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = "draft",
+             num_draft_tokens: int | None = None, dtype: str = "auto", device: str = "cpu",
+             max_len: int = 8192, max_ngram: int = 3) -> SpecDecoder:
+        if method not in DRAFTERS:
+            raise SpecdecodeError(f"unknown method '{method}': choose one of {', '.join(DRAFTERS)}")
+        torch_dtype = resolve_dtype(dtype, device)
+        model, tokenizer = load_model(target, torch_dtype, device)
+        if method == "draft":
+            draft = draft or DEFAULT_DRAFT
+            check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
+            draft_model, _ = load_model(draft, torch_dtype, device)
+            drafter = DRAFTERS[method](draft_model, vocab_size=model.config.vocab_size)
+        elif method == "ngram":
+            drafter = DRAFTERS[method](max_ngram=max_ngram)
+        else:
+            drafter = DRAFTERS[method]()
+        k = DEFAULT_NUM_DRAFT_TOKENS[method] if num_draft_tokens is None else num_draft_tokens
+        if k < 0:
+            raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {k}")
+        return cls(model, tokenizer, drafter, method, k, max_len)
+
+    @property
+    def stats(self) -> GenerationStats:
+        """Statistics of the request in progress or the last one."""
+        return self.engine.stats
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise SpecdecodeError("this target has no chat template: drop --chat and pass the raw prompt")
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams, chat: bool = False) -> Iterator[TextChunk]:
+        ids = self.encode(prompt, chat)
+        text = TextStream(self.tokenizer, params.stop)
+        steps = self.engine.generate(ids, params)
+        for step in steps:
+            pieces, kept = text.push(step.tokens)
+            self.stats.new_tokens -= len(step.tokens) - kept  # tokens past a stop string are not output
+            flags = [i < step.num_accepted for i in range(kept)]
+            reason = "stop" if text.stopped else step.finish_reason
+            if reason is not None and pieces:
+                pieces[-1] += text.flush()
+            yield TextChunk(pieces, step.tokens[:kept], flags, reason)
+            if reason is not None:
+                steps.close()
+                return
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, chat: bool = False) -> Generation:
+        pieces, ids, flags, reason = [], [], [], None
+        for chunk in self.stream(prompt, params, chat):
+            pieces.append(chunk.text)
+            ids += chunk.token_ids
+            flags += chunk.from_draft
+            reason = chunk.finish_reason
+        return Generation("".join(pieces), ids, flags, reason, self.stats)
+
+
+def check_same_tokenizer(target_tok, draft_tok, target: str, draft: str) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise SpecdecodeError(
+            f"draft '{draft}' and target '{target}' use different tokenizers: pick a draft of the same "
+            "family (same vocabulary), or use --method ngram"
+        )

@@ -1,0 +1,79 @@
+"""Build a ready-to-run model from any source: the native Transformer when the family is known, else transformers.
+
+`weights.load_checkpoint` finds the tensors (packaged name, GGUF file, HF folder, hub id); this module picks the
+implementation, the dtype and the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig
+from specdecode.errors import SpecdecodeError
+from specdecode.hf_model import HFModel
+from specdecode.model import Transformer, rope_inv_freq
+from specdecode.weights import load_checkpoint
+from specdecode.weights import load_tokenizer as _load_tokenizer
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """'auto' is bfloat16 where the hardware has fast bf16 matmuls (CUDA; CPUs with AVX-512 BF16 or AMX)."""
+    if name == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        fast_bf16 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and _cpu_has_bf16()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    if name not in DTYPES:
+        raise SpecdecodeError(f"unknown dtype '{name}': choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def load_tokenizer(source: str):
+    return _load_tokenizer(source)
+
+
+def load_model(source: str, dtype: torch.dtype, device: str = "cpu") -> tuple[torch.nn.Module, object]:
+    """-> (model with the engine's forward contract, tokenizer)."""
+    ckpt = load_checkpoint(source, dtype)
+    if ckpt.config.get("model_type") in NATIVE_MODEL_TYPES:
+        model = _native(ckpt.config, ckpt.state_dict, device)
+    else:
+        model = _transformers(ckpt.config, ckpt.state_dict, dtype, device)
+    return model, ckpt.tokenizer
+
+
+def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str) -> Transformer:
+    config = ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):  # no random init of weights that are replaced at once
+        model = Transformer(config)
+    model.load_state_dict(state_dict, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise SpecdecodeError(f"checkpoint lacks {len(missing)} weights (first: {missing[0]}): the file is incomplete")
+    model.inv_freq = rope_inv_freq(config)  # buffers built on the meta device hold no values
+    return model.to(device).eval()
+
+
+def _transformers(hf_config: dict, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                  device: str) -> HFModel:
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**hf_config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(state_dict, strict=False, assign=True)
+    model.tie_weights()
+    return HFModel(model.to(device))

@@ -1,0 +1,245 @@
+"""Loading weights from HF folders and GGUF files, with tiny random checkpoints built in tmp_path.
+
+The real packaged models are only touched by the tests marked `skipif`, and only when their converted
+cache already exists (a first conversion takes tens of seconds).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from specdecode import hub, weights
+from specdecode.errors import SpecdecodeError
+
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# special tokens, the printable ASCII bytes, the byte-level space and one merge
+TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(33, 127)] + ["Ġ", "he"]
+
+
+def _qwen2(vocab_size: int = len(TOKENS), tie: bool = False) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=tie,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    # Byte-level BPE like Qwen's: a Qwen2 folder's tokenizer is rebuilt by Qwen2Tokenizer from vocab + merges.
+    vocab = {token: i for i, token in enumerate(TOKENS)}
+    backend = Tokenizer(models.BPE(vocab, [("h", "e")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": TOKENS[:3]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen2")
+    _qwen2().save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_hf_folder_round_trip(qwen2_dir: Path) -> None:
+    model = _qwen2()
+    checkpoint = weights.load_checkpoint(str(qwen2_dir), torch.float32)
+    expected = model.state_dict()
+    assert set(checkpoint.state_dict) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(checkpoint.state_dict[name], tensor), name
+    assert "model.layers.0.self_attn.q_proj.bias" in checkpoint.state_dict
+    config = checkpoint.config
+    assert config["model_type"] == "qwen2" and config["architectures"] == ["Qwen2ForCausalLM"]
+    assert (config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]) == (len(TOKENS), 64, 2)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 16)
+    assert config["rope_theta"] == 10000.0 and config["rope_scaling"] is None
+    assert config["tie_word_embeddings"] is False and config["eos_token_id"] == 2
+    assert checkpoint.name == qwen2_dir.name and checkpoint.path == checkpoint.hf_dir == qwen2_dir
+
+
+def test_dtype_cast_and_unsupported_dtype(qwen2_dir: Path) -> None:
+    checkpoint = weights.load_checkpoint(str(qwen2_dir), torch.bfloat16)
+    assert {t.dtype for t in checkpoint.state_dict.values()} == {torch.bfloat16}
+    with pytest.raises(SpecdecodeError, match="unsupported dtype torch.int8"):
+        weights.load_checkpoint(str(qwen2_dir), torch.int8)
+
+
+def test_tokenizer_and_chat_template(qwen2_dir: Path) -> None:
+    tokenizer = weights.load_checkpoint(str(qwen2_dir), torch.float32).tokenizer
+    assert tokenizer is not None and tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer("he he!").input_ids == [len(TOKENS) - 1, len(TOKENS) - 2, len(TOKENS) - 1, 3]
+    assert weights.load_tokenizer(str(qwen2_dir)).get_vocab() == tokenizer.get_vocab()
+
+
+def test_sharded_tied_llama_without_tokenizer(tmp_path: Path) -> None:
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    checkpoint = weights.load_checkpoint(str(tmp_path), torch.float32)
+    assert "lm_head.weight" not in checkpoint.state_dict  # tied: the embedding is the head
+    assert set(checkpoint.state_dict) == set(model.state_dict()) - {"lm_head.weight"}
+    assert checkpoint.tokenizer is None and checkpoint.config["head_dim"] == 8
+
+
+def test_generation_config_eos_list_wins(tmp_path: Path, qwen2_dir: Path) -> None:
+    shutil.copytree(qwen2_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
+    assert weights.read_config(tmp_path)["eos_token_id"] == [2, 0]
+
+
+def test_folder_errors(tmp_path: Path, qwen2_dir: Path) -> None:
+    with pytest.raises(SpecdecodeError, match="has no config.json"):
+        weights.load_checkpoint(str(tmp_path), torch.float32)
+    shutil.copy(qwen2_dir / "config.json", tmp_path)
+    with pytest.raises(SpecdecodeError, match="has no \\*.safetensors weights"):
+        weights.load_checkpoint(str(tmp_path), torch.float32)
+
+
+def test_unknown_source_and_offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SpecdecodeError, match="could not find model 'no-such-model'.*specdecode models list"):
+        weights.load_checkpoint("no-such-model", torch.float32, cache=tmp_path)
+
+    def offline(*args: object, **kwargs: object) -> str:
+        raise OSError("Name or service not known")
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(SpecdecodeError, match="could not find model 'org/model'.*reachable hub id"):
+        weights.load_checkpoint("org/model", torch.float32, cache=tmp_path)
+
+
+def test_file_that_is_not_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_text("not a model")
+    with pytest.raises(SpecdecodeError, match="no GGUF magic bytes"):
+        weights.load_checkpoint(str(path), torch.float32, cache=tmp_path)
+
+
+# --- GGUF: a tiny Qwen2 written with gguf-py in float32, so de-quantizing is exact ---
+
+def _write_gguf(path: Path, model: Qwen2ForCausalLM) -> None:
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3))
+    writer.add_token_merges(["h e"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # llama.cpp writes no `output.weight` for tied models
+        base, suffix = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf"
+    _write_gguf(path, _qwen2())
+    return path
+
+
+def test_gguf_conversion_is_exact_and_cached(tiny_gguf: Path, tmp_path: Path) -> None:
+    expected = _qwen2().state_dict()
+    checkpoint = weights.load_checkpoint(str(tiny_gguf), torch.float32, cache=tmp_path)
+    assert set(checkpoint.state_dict) == set(expected)  # biases come through, lm_head is kept (untied)
+    for name, tensor in expected.items():
+        assert torch.equal(checkpoint.state_dict[name], tensor), name
+    config = checkpoint.config
+    assert config["model_type"] == "qwen2" and config["architectures"] == ["Qwen2ForCausalLM"]
+    assert (config["vocab_size"], config["head_dim"], config["rms_norm_eps"]) == (len(TOKENS), 16, 1e-6)
+    assert checkpoint.hf_dir == weights.converted_dir(tiny_gguf, torch.float32, tmp_path)
+    assert checkpoint.hf_dir.name.startswith("tiny-qwen2-") and checkpoint.hf_dir.name.endswith("-float32")
+    assert checkpoint.tokenizer.chat_template == CHAT_TEMPLATE
+    assert checkpoint.tokenizer("he!").input_ids == [len(TOKENS) - 1, 3]
+
+
+
+def test_gguf_second_load_reads_the_cache(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = weights.load_checkpoint(str(tiny_gguf), torch.bfloat16, cache=tmp_path)
+
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(weights, "convert_gguf", no_conversion)
+    again = weights.load_checkpoint(str(tiny_gguf), torch.bfloat16, cache=tmp_path)
+    assert again.hf_dir == first.hf_dir
+    for name, tensor in first.state_dict.items():
+        assert torch.equal(again.state_dict[name], tensor), name
+    assert weights.load_tokenizer(str(tiny_gguf), cache=tmp_path).chat_template == CHAT_TEMPLATE
+
+
+def test_gguf_tied_embeddings(tmp_path: Path) -> None:
+    path = tmp_path / "tied.gguf"
+    model = _qwen2(tie=True)
+    _write_gguf(path, model)
+    checkpoint = weights.load_checkpoint(str(path), torch.float32, cache=tmp_path)
+    assert checkpoint.config["tie_word_embeddings"] is True
+    assert set(checkpoint.state_dict) == set(model.state_dict()) - {"lm_head.weight"}
+    assert torch.equal(checkpoint.state_dict["model.embed_tokens.weight"], model.lm_head.weight.detach())
+
+
+def test_truncated_gguf_is_a_clear_error(tiny_gguf: Path, tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size * 2 // 3])
+    with pytest.raises(SpecdecodeError, match="cannot read GGUF file .*truncated.gguf"):
+        weights.load_checkpoint(str(truncated), torch.float32, cache=tmp_path)
+    assert not (tmp_path / "converted").exists() or not any((tmp_path / "converted").iterdir())
+
+
+# --- the real packaged models, only when already pulled and converted (see `specdecode models pull`) ---
+
+SMOLLM = hub.cache_dir() / "models" / "smollm2-135m-instruct.gguf"
+SMOLLM_READY = SMOLLM.is_file() and weights.converted_dir(SMOLLM, torch.bfloat16).is_dir()
+
+
+@pytest.mark.skipif(not SMOLLM_READY, reason="smollm2-135m-instruct is not pulled and converted in the cache")
+def test_packaged_smollm2_from_cache() -> None:
+    checkpoint = weights.load_checkpoint("smollm2-135m-instruct", torch.bfloat16)
+    assert checkpoint.config["model_type"] == "llama" and checkpoint.config["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in checkpoint.state_dict and len(checkpoint.state_dict) == 272
+    assert checkpoint.tokenizer.chat_template and "<|im_start|>" in checkpoint.tokenizer.chat_template
+
+
+@pytest.mark.skipif(not SMOLLM.is_file(), reason="smollm2-135m-instruct is not pulled")
+def test_truncated_real_gguf(tmp_path: Path) -> None:
+    truncated = tmp_path / "smollm2-truncated.gguf"
+    with SMOLLM.open("rb") as src, truncated.open("wb") as dst:
+        dst.write(src.read(20_000_000))
+    with pytest.raises(SpecdecodeError, match="cannot read GGUF file"):
+        weights.load_checkpoint(str(truncated), torch.bfloat16, cache=tmp_path)
