@@ -85,18 +85,20 @@ class SpecDecoder:
         """Statistics of the request in progress or the last one."""
         return self.engine.stats
 
-    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if isinstance(prompt, list):
+    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
+        """Token ids for a raw prompt, a prompt wrapped as one user message (chat=True), a list of chat
+        messages ({"role", "content"} dicts; the chat template is applied), or ids passed through."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise SpecdecodeError("this target has no chat template: drop --chat and pass the raw prompt")
-            prompt = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+        if isinstance(prompt, str) and not chat:
+            return self.tokenizer.encode(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise SpecdecodeError("this target has no chat template: send a raw prompt instead of chat messages")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(self, prompt: str | list[int], params: SamplingParams, chat: bool = False) -> Iterator[TextChunk]:
+    def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False) -> Iterator[TextChunk]:
         ids = self.encode(prompt, chat)
         text = TextStream(self.tokenizer, params.stop)
         steps = self.engine.generate(ids, params)
@@ -112,7 +114,7 @@ class SpecDecoder:
                 steps.close()
                 return
 
-    def generate(self, prompt: str | list[int], params: SamplingParams, chat: bool = False) -> Generation:
+    def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False) -> Generation:
         pieces, ids, flags, reason = [], [], [], None
         for chunk in self.stream(prompt, params, chat):
             pieces.append(chunk.text)
