@@ -61,15 +61,15 @@ class SpecDecoder:
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = "draft",
              num_draft_tokens: int | None = None, dtype: str = "auto", device: str = "cpu",
-             max_len: int = 8192, max_ngram: int = 3) -> SpecDecoder:
+             max_len: int = 8192, max_ngram: int = 3, quantize: str = "none") -> SpecDecoder:
         if method not in DRAFTERS:
             raise SpecdecodeError(f"unknown method '{method}': choose one of {', '.join(DRAFTERS)}")
-        torch_dtype = resolve_dtype(dtype, device)
-        model, tokenizer = load_model(target, torch_dtype, device)
+        torch_dtype = resolve_dtype(dtype, device, quantize)
+        model, tokenizer = load_model(target, torch_dtype, device, quantize)
         if method == "draft":
             draft = draft or DEFAULT_DRAFT
             check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
-            draft_model, _ = load_model(draft, torch_dtype, device)
+            draft_model, _ = load_model(draft, torch_dtype, device, quantize)
             drafter = DRAFTERS[method](draft_model, vocab_size=model.config.vocab_size)
         elif method == "ngram":
             drafter = DRAFTERS[method](max_ngram=max_ngram)

@@ -25,6 +25,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens per step (default per method)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of target and draft (CPU); output is exact for that target")
     p.add_argument("--max-len", type=int, default=8192, help="context window to allocate (tokens)")
 
 
@@ -41,7 +43,7 @@ def load_decoder(args: argparse.Namespace):
 
     return SpecDecoder.load(args.target, draft=args.draft, method=args.method,
                             num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, device=args.device,
-                            max_len=args.max_len)
+                            max_len=args.max_len, quantize=args.quantize)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

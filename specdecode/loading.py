@@ -12,14 +12,18 @@ from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig
 from specdecode.errors import SpecdecodeError
 from specdecode.hf_model import HFModel
 from specdecode.model import Transformer, rope_inv_freq
+from specdecode.quantize import quantize_
 from specdecode.weights import load_checkpoint
 from specdecode.weights import load_tokenizer as _load_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """'auto' is bfloat16 where the hardware has fast bf16 matmuls (CUDA; CPUs with AVX-512 BF16 or AMX)."""
+def resolve_dtype(name: str, device: str = "cpu", quantize: str = "none") -> torch.dtype:
+    """'auto' is bfloat16 where the hardware has fast bf16 matmuls (CUDA; CPUs with AVX-512 BF16 or AMX), and
+    always with quantized weights, whose kernels take bfloat16 activations."""
+    if name == "auto" and quantize != "none":
+        return torch.bfloat16
     if name == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -43,14 +47,17 @@ def load_tokenizer(source: str):
     return _load_tokenizer(source)
 
 
-def load_model(source: str, dtype: torch.dtype, device: str = "cpu") -> tuple[torch.nn.Module, object]:
-    """-> (model with the engine's forward contract, tokenizer)."""
+def load_model(source: str, dtype: torch.dtype, device: str = "cpu",
+               quantize: str = "none") -> tuple[torch.nn.Module, object]:
+    """-> (model with the engine's forward contract, tokenizer); `quantize` = none, int8 or int4 weights."""
+    if quantize != "none" and dtype != torch.bfloat16:
+        raise SpecdecodeError(f"--quantize {quantize} runs with bfloat16 activations: use --dtype bfloat16 or auto")
     ckpt = load_checkpoint(source, dtype)
     if ckpt.config.get("model_type") in NATIVE_MODEL_TYPES:
         model = _native(ckpt.config, ckpt.state_dict, device)
     else:
         model = _transformers(ckpt.config, ckpt.state_dict, dtype, device)
-    return model, ckpt.tokenizer
+    return quantize_(model, quantize), ckpt.tokenizer
 
 
 def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str) -> Transformer:
