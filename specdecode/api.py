@@ -61,7 +61,10 @@ class SpecDecoder:
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = "draft",
              num_draft_tokens: int | None = None, dtype: str = "auto", device: str = "cpu",
-             max_len: int = 8192, max_ngram: int = 3, quantize: str = "none") -> SpecDecoder:
+             max_len: int = 8192, max_ngram: int = 3, quantize: str = "none",
+             draft_quantize: str = "auto") -> SpecDecoder:
+        """`quantize` changes the target (output stays exact for the quantized target); `draft_quantize` only
+        changes how good and how cheap the guesses are, never the output. 'auto' = int4 on CPU in bfloat16."""
         if method not in DRAFTERS:
             raise SpecdecodeError(f"unknown method '{method}': choose one of {', '.join(DRAFTERS)}")
         torch_dtype = resolve_dtype(dtype, device, quantize)
@@ -69,7 +72,9 @@ class SpecDecoder:
         if method == "draft":
             draft = draft or DEFAULT_DRAFT
             check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
-            draft_model, _ = load_model(draft, torch_dtype, device, quantize)
+            if draft_quantize == "auto":
+                draft_quantize = "int4" if device == "cpu" and torch_dtype == torch.bfloat16 else "none"
+            draft_model, _ = load_model(draft, torch_dtype, device, draft_quantize)
             drafter = DRAFTERS[method](draft_model, vocab_size=model.config.vocab_size)
         elif method == "ngram":
             drafter = DRAFTERS[method](max_ngram=max_ngram)

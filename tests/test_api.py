@@ -1,0 +1,56 @@
+"""The text layer over the engine: stop strings inside drafts, clear errors for bad input."""
+
+import pytest
+
+from specdecode.api import SpecDecoder, check_same_tokenizer
+from specdecode.config import SamplingParams
+from specdecode.drafters import NoDrafter
+from specdecode.errors import SpecdecodeError
+from test_text import ByteTokenizer
+from tiny import tiny_native
+from toy import ScriptedDrafter
+
+
+class SmallByteTokenizer(ByteTokenizer):
+    """Bytes folded into the tiny model's 64-token vocabulary (printable ASCII from '0')."""
+
+    def encode(self, text: str) -> list[int]:
+        return [max(0, min(63, b - 48)) for b in text.encode()]
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return bytes(i + 48 for i in ids).decode()
+
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(i + 48): i for i in range(64)}
+
+
+def decoder(drafter, k=4):
+    return SpecDecoder(tiny_native("qwen2", seed=0), SmallByteTokenizer(), drafter, "test", k, max_len=64)
+
+
+def test_stop_string_inside_a_draft_cuts_exactly():
+    plain = decoder(NoDrafter()).generate("123", SamplingParams(max_new_tokens=20))
+    stop = plain.text[5:7]
+    expect = plain.text[: plain.text.index(stop)]
+    full = [t for t in plain.token_ids]
+    right = ScriptedDrafter(lambda toks, k: full[len(toks) - 3: len(toks) - 3 + k])
+    for drafter in (NoDrafter(), right):
+        sd = decoder(drafter, k=6)
+        out = sd.generate("123", SamplingParams(max_new_tokens=20, stop=[stop]))
+        assert out.text == expect and out.finish_reason == "stop"
+        assert out.token_ids == full[: len(expect) + len(stop)]  # up to the token that completes the stop
+        assert sd.stats.new_tokens == len(out.token_ids)
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error():
+    with pytest.raises(SpecdecodeError, match="context window"):
+        decoder(NoDrafter()).generate("1" * 80, SamplingParams(max_new_tokens=4))
+
+
+def test_mismatched_tokenizers_are_refused():
+    class Other(SmallByteTokenizer):
+        def get_vocab(self):
+            return {"a": 0}
+
+    with pytest.raises(SpecdecodeError, match="different tokenizers"):
+        check_same_tokenizer(SmallByteTokenizer(), Other(), "t", "d")
