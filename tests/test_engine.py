@@ -36,6 +36,7 @@ def drafters(target):
         "ngram": NgramDrafter(),
         "draft-model": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64),
         "draft-model-llama": DraftModelDrafter(tiny_native("llama", seed=2), vocab_size=64),
+        "draft-model-adaptive": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, min_confidence=0.03),
         "self-draft": DraftModelDrafter(target, vocab_size=64),
         "always-right": ScriptedDrafter(lambda toks, k: full[len(toks): len(toks) + k]),
         "always-wrong": ScriptedDrafter(lambda toks, k: [(full[len(toks) + i] + 1) % 64 for i in range(k)]),

@@ -3,7 +3,8 @@
 Bookkeeping with absolute lengths: the draft cache always holds a prefix of the request's tokens. `propose` first
 catches up on the tokens the cache lacks (the last emitted token; after a fully accepted draft also the last draft
 token, which was never fed), then drafts. `commit(num_accepted)` truncates the cache to the accepted prefix.
-Under sampling each token is drawn from the draft's distribution after the request's temperature/top-k/top-p,
+Drafting stops early when the draft model is unsure (`min_confidence`), which adapts the draft length to the
+text at no cost to exactness. Under sampling each token is drawn from the draft's distribution after the request's temperature/top-k/top-p,
 and that distribution is returned for the verifier's ratio test; under greedy the draft is a point mass.
 """
 
@@ -17,8 +18,12 @@ from specdecode.sampling import sample, to_probs
 
 
 class DraftModelDrafter:
-    def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 1024) -> None:
+    def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 1024,
+                 min_confidence: float = 0.0) -> None:
         self.model = model
+        # Adaptive length: stop drafting once the draft's own top probability falls below this, because an
+        # unsure draft token is rarely accepted and every further guess costs a draft forward.
+        self.min_confidence = min_confidence
         self.vocab_size = vocab_size  # the target's; a draft vocab that is padded differently is cut or padded
         self.initial_len = initial_len
         self.cache = None
@@ -38,11 +43,12 @@ class DraftModelDrafter:
         self.base_length = self.cache.length
         tokens, probs = [], []
         for i in range(max_tokens):
-            token, token_probs = self._choose(logits, ctx)
+            token, token_probs, confidence = self._choose(logits, ctx)
             tokens.append(token)
             probs.append(token_probs)
-            if i + 1 < max_tokens:  # the last draft token is fed on the next catch-up, only if accepted
-                logits = self._forward(token)
+            if i + 1 == max_tokens or confidence < self.min_confidence:
+                break  # the last draft token is fed on the next catch-up, and only if it is accepted
+            logits = self._forward(token)
         draft_tokens = torch.cat(tokens)
         draft_probs = None if ctx.params.greedy else torch.stack(probs)
         return Draft.chain(draft_tokens, draft_probs)
@@ -51,12 +57,15 @@ class DraftModelDrafter:
         # Accepted draft tokens fed to the cache stay; rejected ones go. The last draft token was never fed.
         self.cache.truncate(min(self.cache.length, self.base_length + num_accepted))
 
-    def _choose(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _choose(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """-> (token [1], the draft distribution or None for greedy, the draft's top probability)."""
         logits = self._fit_vocab(logits)  # [vocab]
         if ctx.params.greedy:
-            return logits.argmax(-1, keepdim=True), None
+            token = logits.argmax(-1, keepdim=True)
+            confidence = float(logits.float().softmax(-1)[token]) if self.min_confidence > 0 else 1.0
+            return token, None, confidence
         probs = to_probs(logits, ctx.params)
-        return sample(probs, ctx.generator)[None], probs
+        return sample(probs, ctx.generator)[None], probs, float(probs.max())
 
     def _forward(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """Feed tokens at the next cache positions; -> logits of the last one [vocab]."""
