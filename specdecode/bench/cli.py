@@ -1,0 +1,121 @@
+"""`specdecode bench`: run methods side by side on JSONL prompts; print a table, write JSON and plots.
+
+    specdecode bench --dataset ../shared/data/humaneval_dev.jsonl --limit 6 --methods none,draft,ngram,hf \
+        --json bench-results/run.json
+
+Prompts are read before any model is loaded, so a bad file or method name fails in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, SpecDecoder
+from specdecode.bench.data import load_prompts
+from specdecode.bench.harness import run_bench
+from specdecode.bench.loaders import (
+    BenchModels, all_methods, build_runners, load_models, num_draft_tokens, parse_methods, resolve_draft_quantize,
+    weights_bytes,
+)  # fmt: skip
+from specdecode.bench.machine import command_line, machine_info
+from specdecode.bench.report import build_report, markdown
+from specdecode.cli import add_sampling_args, sampling_params
+from specdecode.drafters import DRAFTERS
+from specdecode.errors import SpecdecodeError
+from specdecode.loading import resolve_dtype
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark methods on JSONL prompts (Spec-Bench style)",
+                       description="Run every method on the same prompts, interleaved, and report speed, "
+                                   "acceptance and a token-by-token losslessness check. See docs/bench.md.")
+    p.add_argument("--dataset", action="append", required=True, metavar="FILE",
+                   help="JSONL prompts; rows with messages, turns, question or prompt (repeatable)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N rows of each dataset")
+    p.add_argument("--methods", default=",".join(all_methods()),
+                   help=f"comma-separated, from {', '.join(all_methods())}; none is always run (the baseline)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="k for every speculative method "
+                   "(default: per method; hf-assisted and hf-pld take the k of draft and ngram)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each prompt per method")
+    p.add_argument("--json", metavar="FILE", help="write the results here, and PNG plots next to it")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for draft and hf-assisted")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of our target (transformers' stays unquantized)")
+    p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="quantization of our draft model (auto: int4 on CPU in bfloat16, as generate does)")
+    p.add_argument("--max-len", type=int, default=8192, help="context window to allocate (tokens)")
+    p.add_argument("--max-ngram", type=int, default=3, help="longest n-gram for ngram and hf-pld")
+    p.add_argument("--prompt-as-chat", action="store_true",
+                   help="send `prompt` rows as a chat user message (default: raw completion prompts)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # validate everything before the slow model loads
+    methods = parse_methods(args.methods)
+    for name in ("limit", "repeats"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SpecdecodeError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 0:
+        raise SpecdecodeError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
+    prompts = load_prompts(args.dataset, args.limit, args.prompt_as_chat)
+    dtype = resolve_dtype(args.dtype, args.device, args.quantize)
+    print(f"bench: {len(prompts)} prompts, methods {', '.join(methods)}; loading models...", file=sys.stderr)
+    models = load_models(args.target, args.draft, methods, dtype, args.device, args.quantize, args.draft_quantize)
+    runners = build_runners(methods, models, args.num_draft_tokens, args.max_len, args.max_ngram)
+    encoder = SpecDecoder(models.target, models.tokenizer, DRAFTERS["none"](), "none", 0, args.max_len)
+
+    def decode(ids: list[int]) -> str:  # an answer as the next turn's history sees it
+        return models.tokenizer.decode(ids, skip_special_tokens=True)
+
+    runs = run_bench(prompts, runners, encoder.encode, decode, params, args.repeats, args.device,
+                     progress=not args.no_progress)
+    report = build_report(runs, method_facts(methods, models, runners, args.num_draft_tokens),
+                          settings(args, methods, params.greedy, dtype),
+                          machine_info(args.device, command_line()), params.greedy)
+    print(markdown(report))
+    if args.json:
+        write_outputs(report, Path(args.json))
+    return 0
+
+
+def method_facts(methods: list[str], models: BenchModels, runners: dict[str, Any],
+                 override_k: int | None) -> dict[str, dict[str, Any]]:
+    return {m: {"family": runners[m].family, "num_draft_tokens": num_draft_tokens(m, override_k),
+                "weights_bytes": weights_bytes(m, models)} for m in methods}
+
+
+def settings(args: argparse.Namespace, methods: list[str], greedy: bool, dtype: torch.dtype) -> dict[str, Any]:
+    cpu = not args.device.startswith("cuda")
+    return {
+        "datasets": list(args.dataset), "limit": args.limit, "methods": methods,
+        "target": args.target, "draft": args.draft, "dtype": str(dtype).removeprefix("torch."), "device": args.device,
+        "max_new_tokens": args.max_new_tokens, "greedy": greedy, "temperature": args.temperature,
+        "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "repeats": args.repeats,
+        "num_draft_tokens": args.num_draft_tokens, "max_ngram": args.max_ngram, "max_len": args.max_len,
+        "prompt_as_chat": args.prompt_as_chat, "quantize": args.quantize,
+        "draft_quantize": resolve_draft_quantize(args.draft_quantize, dtype, args.device),
+        "peak_memory": "process RSS high-water mark (ru_maxrss): process-wide, every loaded model included"
+                       if cpu else "torch.cuda.max_memory_allocated, reset before each generation",
+        "hf_ttft": "time until transformers' streamer receives the first generated token",
+    }  # fmt: skip
+
+
+def write_outputs(report: dict[str, Any], path: Path) -> None:
+    from specdecode.bench.plots import write_plots  # matplotlib loads only when plots are written
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    plots = write_plots(report, path)
+    print(f"wrote {path}, {', '.join(str(p) for p in plots)}", file=sys.stderr)

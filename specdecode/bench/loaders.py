@@ -1,0 +1,144 @@
+"""Load every model once and build one runner per method around the shared models.
+
+Our methods are the drafter registry (`drafters.DRAFTERS`), so a drafter added there is benchmarked with no change
+here; each gets its own `SpecDecoder` (own KV cache) over the one loaded target. The reference methods run
+transformers' `generate` on the same checkpoint files (the HF folder that `weights` resolved or converted), in the
+same dtype and on the same device:
+  hf           plain greedy/sampled `generate`
+  hf-assisted  `assistant_model` = the draft checkpoint, k tokens per step, fixed k (no confidence cut-off)
+  hf-pld       `prompt_lookup_num_tokens` = k, n-grams up to `max_ngram` (prompt lookup decoding)
+Their k defaults to that of the method of ours they mirror, so both sides speculate alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdecode.api import DEFAULT_NUM_DRAFT_TOKENS, SpecDecoder, check_same_tokenizer
+from specdecode.bench.runners import HFRunner, Runner, SpecRunner
+from specdecode.drafters import DRAFTERS
+from specdecode.errors import SpecdecodeError
+from specdecode.loading import load_model, load_tokenizer
+from specdecode.weights import load_checkpoint
+
+BASELINE = "none"
+# Reference methods -> the method of ours they mirror (its default k), None for plain decoding.
+HF_METHODS: dict[str, str | None] = {"hf": None, "hf-assisted": "draft", "hf-pld": "ngram"}
+NEEDS_DRAFT = {"draft", "hf-assisted"}
+FALLBACK_NUM_DRAFT_TOKENS = 4  # for drafters registered without a tuned default
+
+
+def all_methods() -> list[str]:
+    return list(DRAFTERS) + list(HF_METHODS)
+
+
+def parse_methods(text: str) -> list[str]:
+    """'none,draft,hf' -> a checked list without duplicates; the baseline `none` is always run (first)."""
+    methods = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    unknown = [m for m in methods if m not in all_methods()]
+    if unknown:
+        raise SpecdecodeError(f"unknown method '{unknown[0]}': choose from {', '.join(all_methods())}")
+    return [BASELINE] + [m for m in methods if m != BASELINE]
+
+
+def num_draft_tokens(method: str, override: int | None) -> int:
+    mirrored = HF_METHODS.get(method, method)
+    if mirrored is None or mirrored == BASELINE:
+        return 0
+    if override is not None:
+        return override
+    return DEFAULT_NUM_DRAFT_TOKENS.get(mirrored, FALLBACK_NUM_DRAFT_TOKENS)
+
+
+@dataclass
+class BenchModels:
+    target: torch.nn.Module  # engine forward contract (native or HFModel)
+    tokenizer: Any
+    draft: torch.nn.Module | None = None
+    hf_target: torch.nn.Module | None = None  # transformers CausalLM on the same files
+    hf_draft: torch.nn.Module | None = None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.target.config.eos_token_ids)
+
+
+def load_models(target: str, draft: str, methods: list[str], dtype: torch.dtype, device: str,
+                quantize: str = "none", draft_quantize: str = "auto") -> BenchModels:
+    """Our models as SpecDecoder.load builds them (quantized if asked); transformers' always unquantized."""
+    model, tokenizer = load_model(target, dtype, device, quantize)
+    if tokenizer is None:
+        raise SpecdecodeError(f"target '{target}' ships no tokenizer; the benchmark needs one to encode prompts")
+    models = BenchModels(model, tokenizer)
+    if NEEDS_DRAFT & set(methods):
+        check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
+    if "draft" in methods:
+        models.draft, _ = load_model(draft, dtype, device, resolve_draft_quantize(draft_quantize, dtype, device))
+    if any(m in HF_METHODS for m in methods):
+        models.hf_target = load_hf(target, dtype, device)
+    if "hf-assisted" in methods:
+        models.hf_draft = load_hf(draft, dtype, device)
+    return models
+
+
+def resolve_draft_quantize(mode: str, dtype: torch.dtype, device: str) -> str:
+    # The rule SpecDecoder.load applies, so `draft` is benchmarked as `generate` runs it.
+    if mode != "auto":
+        return mode
+    return "int4" if device == "cpu" and dtype == torch.bfloat16 else "none"
+
+
+def load_hf(source: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = load_checkpoint(source, dtype).hf_dir  # the folder our loader read (a GGUF's converted copy)
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
+
+
+def build_runners(methods: list[str], models: BenchModels, override_k: int | None = None, max_len: int = 8192,
+                  max_ngram: int = 3) -> dict[str, Runner]:
+    runners: dict[str, Runner] = {}
+    for method in methods:
+        k = num_draft_tokens(method, override_k)
+        if method in HF_METHODS:
+            runners[method] = HFRunner(models.hf_target, models.eos_token_ids, hf_options(method, models, k, max_ngram))
+        else:
+            drafter = make_drafter(method, models, max_ngram)
+            decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len)
+            runners[method] = SpecRunner(decoder, models.target.device)
+    return runners
+
+
+def make_drafter(method: str, models: BenchModels, max_ngram: int) -> Any:
+    # The same construction as SpecDecoder.load, over models that are already loaded.
+    if method == "draft":
+        return DRAFTERS[method](models.draft, vocab_size=models.target.config.vocab_size)
+    if method == "ngram":
+        return DRAFTERS[method](max_ngram=max_ngram)
+    return DRAFTERS[method]()
+
+
+def hf_options(method: str, models: BenchModels, k: int, max_ngram: int) -> dict[str, Any]:
+    if method == "hf-assisted":
+        # transformers reads these from the assistant's own generation config; fix k like our engine does.
+        config = models.hf_draft.generation_config
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
+        config.assistant_confidence_threshold = 0.0
+        return {"assistant_model": models.hf_draft}
+    if method == "hf-pld":
+        return {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": max_ngram}
+    return {}
+
+
+def weights_bytes(method: str, models: BenchModels) -> int:
+    """Bytes of the weights a method reads (target plus draft), tied tensors counted once; buffers are included
+    because quantized layers keep their weights there."""
+    if method in HF_METHODS:
+        used = [models.hf_target] + ([models.hf_draft] if method == "hf-assisted" else [])
+    else:
+        used = [models.target] + ([models.draft] if method == "draft" else [])
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for m in used for t in [*m.parameters(), *m.buffers()]}
+    return sum(tensors.values())

@@ -1,0 +1,160 @@
+"""The benchmark's outputs: one JSON document (schema in docs/bench.md) and a markdown table for stdout.
+
+`build_report` is pure: runs + per-method facts + settings + machine info -> a dict of plain JSON types.
+`markdown` reads only that dict, so a saved JSON file can be re-rendered later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from specdecode.bench.harness import ORDER_NOTE, Run
+from specdecode.bench.metrics import add_speedups, find_mismatches, summarize
+
+SCHEMA_VERSION = 1
+BASES = ("none", "hf")  # speedups are reported against both
+MAX_LISTED = 10  # mismatches printed under the table (the JSON lists all)
+
+
+def build_report(runs: list[Run], methods: dict[str, dict[str, Any]], settings: dict[str, Any],
+                 machine: dict[str, Any], greedy: bool) -> dict[str, Any]:
+    """methods: name -> facts known before running (family, num_draft_tokens, weights_bytes), in table order."""
+    names = list(methods)
+    overall = _groups(runs, names, lambda r: True)
+    by_category = {c: _groups(runs, names, lambda r, c=c: r.prompt.category == c) for c in _unique(runs, "category")}
+    by_dataset = {d: _groups(runs, names, lambda r, d=d: r.prompt.dataset == d) for d in _unique(runs, "dataset")}
+    report_methods = {}
+    for name in names:
+        entry = dict(methods[name], **overall[name], **_lossless(runs, name, names, greedy))
+        entry["by_category"] = {c: groups[name] for c, groups in by_category.items()}
+        entry["by_dataset"] = {d: groups[name] for d, groups in by_dataset.items()}
+        report_methods[name] = entry
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "settings": dict(settings, order=ORDER_NOTE),
+        "machine": machine,
+        "categories": list(by_category),
+        "datasets": list(by_dataset),
+        "methods": report_methods,
+        "runs": [_run_record(r) for r in runs],
+    }
+
+
+def _groups(runs: list[Run], names: list[str], keep: Callable[[Run], bool]) -> dict[str, dict[str, Any]]:
+    groups = {m: summarize([r for r in runs if r.method == m and keep(r)]) for m in names}
+    add_speedups(groups, BASES)
+    return groups
+
+
+def _unique(runs: list[Run], attr: str) -> list[str]:
+    return list(dict.fromkeys(getattr(r.prompt, attr) for r in runs))
+
+
+def _lossless(runs: list[Run], name: str, names: list[str], greedy: bool) -> dict[str, Any]:
+    # Under sampling outputs are draws from the same distribution, not equal sequences: nothing to compare.
+    if not greedy:
+        return {"lossless": None, "mismatches": [], "matches_hf": None, "mismatches_vs_hf": []}
+    vs_none = find_mismatches(runs, name, "none") if name != "none" else []
+    vs_hf = find_mismatches(runs, name, "hf") if "hf" in names and name != "hf" else []
+    return {
+        "lossless": not vs_none,
+        "mismatches": [m.to_dict() for m in vs_none],
+        "matches_hf": (not vs_hf) if "hf" in names else None,
+        "mismatches_vs_hf": [m.to_dict() for m in vs_hf],
+    }
+
+
+def _run_record(run: Run) -> dict[str, Any]:
+    return {
+        "method": run.method,
+        "dataset": run.prompt.dataset,
+        "prompt_id": run.prompt.id,
+        "category": run.prompt.category,
+        "repeat": run.repeat,
+        "turns": [
+            {
+                "new_tokens": len(t.token_ids),
+                "wall_s": t.wall_s,
+                "ttft_s": t.ttft_s,
+                "tokens_per_s": len(t.token_ids) / t.wall_s if t.wall_s > 0 else None,
+                "finish_reason": t.finish_reason,
+                "decode_forwards": t.decode_forwards,
+                "drafted_tokens": t.drafted_tokens,
+                "accepted_tokens": t.accepted_tokens,
+                "peak_memory_bytes": t.peak_memory_bytes,
+                "token_ids": t.token_ids,
+            }
+            for t in run.turns
+        ],
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s, methods = report["settings"], report["methods"]
+    mode = "greedy" if s["greedy"] else (
+        f"sampling (temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']}, seed {s.get('seed')})")
+    quantized = "".join(f", {who} {s[key]}" for who, key in (("target", "quantize"), ("draft", "draft_quantize"))
+                        if s.get(key, "none") != "none")
+    lines = [
+        f"## specdecode bench: {s['target']} (draft {s['draft']}), {s['dtype']} on {s['device']}{quantized}",
+        "",
+        f"{mode}, max {s['max_new_tokens']} new tokens, {_count(report)} prompts x {s['repeats']} repeats; "
+        f"{s['order']}. Speedups are tokens/s ratios on the same prompts.",
+        "",
+        "| method | k | tok/s | tok/s (mean) | vs none | vs hf | accepted len | acceptance | TTFT ms "
+        "| ITL p50 ms | ITL p95 ms | peak mem | lossless |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, m in methods.items():
+        lines.append("| " + " | ".join([
+            name, str(m["num_draft_tokens"]), _num(m["tokens_per_s"], ".2f"), _num(m["tokens_per_s_mean"], ".2f"),
+            _x(m["speedup_vs_none"]), _x(m["speedup_vs_hf"]), _num(m["mean_accepted_length"], ".2f"),
+            _num(m["acceptance_rate"], ".1%"), _ms(m["ttft_s_mean"]), _ms(m["itl_s_p50"]), _ms(m["itl_s_p95"]),
+            _mib(m["peak_memory_bytes"]), _verdict(m),
+        ]) + " |")  # fmt: skip
+    if len(report["categories"]) > 1:
+        lines += ["", "Speedup vs none by category:", "",
+                  "| method | " + " | ".join(report["categories"]) + " | overall |",
+                  "|---|" + "---:|" * (len(report["categories"]) + 1)]
+        for name, m in methods.items():
+            cells = [_x(m["by_category"][c]["speedup_vs_none"]) for c in report["categories"]]
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {_x(m['speedup_vs_none'])} |")
+    listed = [x for m in methods.values() for x in m["mismatches"] + m["mismatches_vs_hf"]]
+    if listed:
+        lines += ["", f"Greedy mismatches ({len(listed)}; first {min(len(listed), MAX_LISTED)}):", ""]
+        for x in listed[:MAX_LISTED]:
+            lines.append(f"- {x['method']} vs {x['reference']}: {x['dataset']}:{x['prompt_id']} turn {x['turn'] + 1} "
+                         f"repeat {x['repeat']}, first difference at new token {x['position']} "
+                         f"(expected {x['expected']}, got {x['got']}; "
+                         f"lengths {x['expected_length']}/{x['got_length']})")
+    return "\n".join(lines)
+
+
+def _count(report: dict[str, Any]) -> int:
+    return len({(r["dataset"], r["prompt_id"]) for r in report["runs"]})
+
+
+def _verdict(m: dict[str, Any]) -> str:
+    if m["lossless"] is None:
+        return "n/a (sampling)"
+    verdict = "yes" if m["lossless"] else f"NO ({len(m['mismatches'])} turns differ)"
+    if m["matches_hf"] is False:
+        verdict += f"; differs from hf on {len(m['mismatches_vs_hf'])} turns"
+    return verdict
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _mib(size: int | None) -> str:
+    return "-" if size is None else f"{size / 2**20:,.0f} MiB"
