@@ -1,0 +1,13 @@
+"""OpenAI-compatible HTTP server over SpecDecoder: `specdecode serve`, or from Python:
+
+    from specdecode import SpecDecoder
+    from specdecode.server.app import create_app
+    from specdecode.server.settings import ServerSettings
+    app = create_app(SpecDecoder.load("smollm2-135m-instruct", method="ngram"),
+                     ServerSettings(model_name="smollm2-135m-instruct"))
+
+Modules: app (routes), service (request checks -> queued job), schemas (request bodies), scheduler (one worker
+thread owns the engine, FIFO queue), streams (SSE / whole answers), formats (OpenAI objects), metrics
+(Prometheus), cli (`serve` flags), background (a server in a thread), static/playground.html (GET /).
+Nothing is imported here, so `specdecode generate` does not pay for importing the web stack.
+"""

@@ -1,0 +1,130 @@
+"""The OpenAI-compatible HTTP app: a thin FastAPI layer over SpecDecoder.
+
+    app = create_app(SpecDecoder.load(...), ServerSettings(model_name="smollm2-135m-instruct"))
+    uvicorn.run(app)
+
+Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /health,
+GET /metrics (Prometheus), GET / (the playground page). With an API key, /v1/* needs the bearer token; /health,
+/metrics and the page itself do not (the page asks for the key and sends it with its own requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.resources import files
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from specdecode.server.errors import ApiError, error_body, error_response
+from specdecode.server.metrics import Metrics
+from specdecode.server.scheduler import Scheduler
+from specdecode.server.service import CompletionService
+from specdecode.server.settings import ServerSettings
+
+log = logging.getLogger("specdecode.server")
+
+
+def create_app(decoder, settings: ServerSettings) -> FastAPI:
+    metrics = Metrics(settings.model_name, decoder.method)
+    scheduler = Scheduler(decoder, metrics, settings.max_waiting)
+    service = CompletionService(decoder, scheduler, settings)
+    playground = files("specdecode.server").joinpath("static/playground.html").read_text(encoding="utf-8")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        yield
+        await asyncio.to_thread(scheduler.stop)
+
+    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+    _add_error_handlers(app, metrics)
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(bearer_check(settings.api_key))])
+
+    @api.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await service.handle(request, chat=False)
+
+    @api.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await service.handle(request, chat=True)
+
+    @api.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card(decoder, scheduler, settings)]}
+
+    @api.get("/models/{name:path}")
+    async def model(name: str) -> dict:
+        if name != settings.model_name:
+            raise ApiError(404, f"model '{name}' is not served here", "model", "model_not_found")
+        return model_card(decoder, scheduler, settings)
+
+    app.include_router(api)
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = scheduler.alive
+        return JSONResponse({"status": "ok" if alive else "engine stopped", "model": settings.model_name},
+                            status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(playground)
+
+    return app
+
+
+def model_card(decoder, scheduler: Scheduler, settings: ServerSettings) -> dict:
+    return {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "specdecode",
+            "max_model_len": decoder.engine.max_len,
+            "specdecode": {"method": decoder.method, "num_draft_tokens": scheduler.default_num_draft_tokens,
+                           "max_draft_tokens": settings.max_draft_tokens,
+                           "auth_required": settings.api_key is not None}}
+
+
+def bearer_check(api_key: str | None):
+    """A dependency that demands `Authorization: Bearer <api_key>` (no-op without a key)."""
+    # Digests of equal length, compared in constant time: neither the key nor its length leaks through timing.
+    expected = hashlib.sha256(api_key.encode()).digest() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        key_ok = hmac.compare_digest(hashlib.sha256(token.strip().encode()).digest(), expected)
+        if scheme.lower() != "bearer" or not key_ok:
+            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> Response:
+        metrics.record_rejected(err.status)
+        return error_response(err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> Response:
+        # Starlette's own 404 / 405, in OpenAI's error shape like everything else.
+        return JSONResponse(error_body(err.status_code, f"{err.detail}: {request.method} {request.url.path}"),
+                            status_code=err.status_code, headers=getattr(err, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, err: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        metrics.record_rejected(500)
+        return JSONResponse(error_body(500, "internal server error (see the server log)"), status_code=500)

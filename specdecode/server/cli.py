@@ -1,0 +1,52 @@
+"""`specdecode serve`: the same model and drafter flags as `generate`, plus where to listen and what to accept."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from specdecode.cli import add_model_args, load_decoder
+from specdecode.server.settings import ServerSettings
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with metrics and a playground page")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --target)")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="requests allowed to queue behind the running one; more get 503 (default 64)")
+    p.add_argument("--max-body-bytes", type=int, default=1_000_000, help="larger request bodies get 413")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specdecode.server.app import create_app
+
+    settings = ServerSettings(model_name=args.served_model_name or args.target, api_key=args.api_key or None,
+                              max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+    if not settings.api_key and not _is_loopback(args.host):
+        print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach this port "
+              "can use the model", file=sys.stderr)
+    decoder = load_decoder(args)
+    app = create_app(decoder, settings)
+    url = f"http://{args.host}:{args.port}"
+    print(f"specdecode: serving '{settings.model_name}' (method {decoder.method}) at {url}/v1 — playground: {url}/",
+          file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

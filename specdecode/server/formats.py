@@ -1,0 +1,95 @@
+"""OpenAI response objects (completion, chat.completion and their stream chunks) built from engine output.
+
+Two additions, both ignored by OpenAI clients: `usage.speculative` (the request's drafted / accepted counts,
+acceptance rate, mean accepted length) and, on stream chunks, `specdecode` = {pieces, from_draft, stats}: the
+text of each token and whether it was an accepted draft token, which the playground highlights.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class Meta:
+    """What every object of one response repeats."""
+
+    model: str
+    chat: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(stats: dict[str, Any], method: str, num_draft_tokens: int) -> dict[str, Any]:
+    """OpenAI usage plus `speculative`; `stats` is GenerationStats.to_dict()."""
+    prompt, completion = stats["prompt_tokens"], stats["new_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "speculative": {
+            "method": method,
+            "num_draft_tokens": num_draft_tokens,
+            "drafts": stats["drafts"],
+            "drafted_tokens": stats["drafted_tokens"],
+            "accepted_tokens": stats["accepted_tokens"],
+            "acceptance_rate": stats["acceptance_rate"],
+            "mean_accepted_length": stats["mean_accepted_length"],
+            "acceptance_per_position": stats["acceptance_per_position"],
+            "ttft_s": stats["ttft_s"],
+            "tokens_per_s": stats["tokens_per_s"],
+        },
+    }
+
+
+def live_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """The running figures the playground shows, sent with every stream chunk."""
+    keys = ("new_tokens", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
+            "tokens_per_s")
+    return {k: stats[k] for k in keys}
+
+
+def completion(meta: Meta, text: str, finish_reason: str | None, usage_: dict[str, Any]) -> dict[str, Any]:
+    if meta.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": meta.id, "object": "chat.completion" if meta.chat else "text_completion",
+            "created": meta.created, "model": meta.model, "choices": [choice], "usage": usage_}
+
+
+def chunk(meta: Meta, text: str, finish_reason: str | None = None, role: bool = False,
+          extension: dict[str, Any] | None = None) -> dict[str, Any]:
+    if meta.chat:
+        delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    out = _chunk_head(meta) | {"choices": [choice]}
+    if extension is not None:
+        out["specdecode"] = extension
+    return out
+
+
+def usage_chunk(meta: Meta, usage_: dict[str, Any]) -> dict[str, Any]:
+    """The extra last chunk of stream_options.include_usage: no choices, only usage."""
+    return _chunk_head(meta) | {"choices": [], "usage": usage_}
+
+
+def _chunk_head(meta: Meta) -> dict[str, Any]:
+    return {"id": meta.id, "object": "chat.completion.chunk" if meta.chat else "text_completion",
+            "created": meta.created, "model": meta.model}
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,81 @@
+"""Prometheus metrics for /metrics, named as vLLM names them (vllm:... -> specdecode:...) so dashboards carry over.
+
+Everything lives on a private CollectorRegistry owned by one Metrics object (no module globals), so two
+servers in one process, or tests, never share counters. prometheus_client objects are thread-safe: the
+scheduler's worker thread records, the event loop only renders.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specdecode.stats import GenerationStats
+
+P = "specdecode:"
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, method: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name, "method": method}
+        names, r = list(labels), self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(P + name, doc, names + list(extra), registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(**labels)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(**labels)
+        self._finished = counter("request_success", "Finished requests by reason (stop, length, abort, error).",
+                                 ("finished_reason",))
+        self._rejected = counter("request_rejected", "Requests refused before generation, by HTTP status.",
+                                 ("status",))
+        self.num_drafts = counter("spec_decode_num_drafts", "Decode steps that verified a draft.").labels(**labels)
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.").labels(**labels)
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                           "Draft tokens accepted by the target.").labels(**labels)
+        self._accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted draft tokens by position in the draft (0 = first).",
+                                         ("position",))
+        self.running = Gauge(P + "num_requests_running", "Requests generating now.", names,
+                             registry=r).labels(**labels)
+        self.waiting = Gauge(P + "num_requests_waiting", "Requests queued for the engine.", names,
+                             registry=r).labels(**labels)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token (queue time included).",
+                              names, buckets=TTFT_BUCKETS, registry=r).labels(**labels)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time per output token after the first.",
+                             names, buckets=ITL_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token.", names,
+                             buckets=E2E_BUCKETS, registry=r).labels(**labels)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time spent waiting for the engine.",
+                                    names, buckets=E2E_BUCKETS, registry=r).labels(**labels)
+        self._labels = labels
+
+    def record_finished(self, stats: GenerationStats | None, reason: str, ttft_s: float | None,
+                        e2e_s: float) -> None:
+        """One request left the engine (stats is None when it was cancelled before it started)."""
+        self._finished.labels(**self._labels, finished_reason=reason).inc()
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if stats is None:
+            return
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.new_tokens)
+        self.num_drafts.inc(stats.drafts)
+        self.num_draft_tokens.inc(stats.drafted_tokens)
+        self.num_accepted_tokens.inc(stats.accepted_tokens)
+        for pos, accepted in enumerate(stats.accepted_at):
+            self._accepted_per_pos.labels(**self._labels, position=str(pos)).inc(accepted)
+        for seconds in stats.token_latencies_s:
+            self.itl.observe(seconds)
+
+    def record_rejected(self, status: int) -> None:
+        self._rejected.labels(**self._labels, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

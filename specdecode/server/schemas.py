@@ -1,0 +1,170 @@
+"""Request bodies of /v1/completions and /v1/chat/completions, validated strictly, and their SamplingParams.
+
+Policy for OpenAI fields (documented in docs/server.md):
+- supported: model, prompt | messages, max_tokens (max_completion_tokens), temperature, top_p, seed, stop, stream,
+  stream_options.include_usage; extensions: top_k, num_draft_tokens, ignore_eos.
+- accepted only at their neutral value (clients often send them): n=1, best_of=1, penalties=0, logprobs off,
+  echo=false, no logit_bias, tools or non-text response_format; `user` and `name` are accepted and ignored.
+- anything else is refused with a 400 that names the fields, rather than silently ignored.
+Types are strict (a string is not a number), since a wrong type is a client bug worth reporting.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specdecode.config import SamplingParams
+from specdecode.errors import SpecdecodeError
+from specdecode.server.errors import ApiError
+
+# Fields accepted only when they ask for nothing we would have to ignore: name -> neutral values.
+NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (False,),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "store": (None, False),
+}
+IGNORED = ("user",)  # harmless bookkeeping fields: accepted with any value
+MAX_STOP_STRINGS = 16
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default is 1.0 (sampling); send 0 for greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # extension (vLLM has it too); 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    num_draft_tokens: int | None = Field(None, ge=0)  # extension: draft length for this request
+    ignore_eos: bool = False  # extension: generate exactly max_tokens (load tests)
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+        return stops
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt as text or token ids; batches of prompts are refused (one prompt per request)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: send one prompt per request, got a batch of {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(400, "prompt: the prompt is empty", "prompt")
+        return prompt
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None  # accepted and ignored
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        role = "system" if self.role == "developer" else self.role  # chat templates know "system"
+        return {"role": role, "content": text}
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [m.as_dict() for m in self.messages]
+
+
+def parse_request(raw: bytes, model_cls: type[SamplingFields]) -> SamplingFields:
+    """Raw body -> validated request, or an ApiError(400) whose message names every bad field."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    body = _drop_neutral(body)
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        raise _to_api_error(e) from None
+
+
+def _drop_neutral(body: dict[str, Any]) -> dict[str, Any]:
+    bad = [f"{k}={json.dumps(body[k])}" for k, ok in NEUTRAL_ONLY.items() if k in body and body[k] not in ok]
+    if bad:
+        raise ApiError(400, f"unsupported parameter value(s): {', '.join(bad)}; specdecode returns one choice "
+                            "of plain text (n=1, no penalties, logprobs, echo, logit_bias or tools)",
+                       bad[0].split("=")[0])
+    return {k: v for k, v in body.items() if k not in NEUTRAL_ONLY and k not in IGNORED}
+
+
+def _to_api_error(err: ValidationError) -> ApiError:
+    unknown, problems = [], {}
+    for e in err.errors():
+        loc = _field_path(e["loc"])
+        if e["type"] == "extra_forbidden":
+            unknown.append(loc)
+        else:
+            problems.setdefault(loc, []).append(e["msg"])
+    parts = [f"unsupported parameter(s): {', '.join(unknown)}"] if unknown else []
+    parts += [f"{loc}: {' / '.join(dict.fromkeys(msgs))}" for loc, msgs in problems.items()]
+    first = unknown[0] if unknown else next(iter(problems))
+    return ApiError(400, "; ".join(parts), first.split(".")[0] or None)
+
+
+def _field_path(loc: tuple) -> str:
+    """("prompt", "list[int]", 0) -> "prompt.0": union members add their type to loc; keep what the client wrote."""
+    def is_tag(part: str) -> bool:
+        return part in ("str", "int", "float", "bool") or part.startswith(("list[", "function-", "json-"))
+
+    return ".".join(str(p) for p in loc if isinstance(p, int) or not is_tag(p)) or "body"
+
+
+def sampling_params(req: SamplingFields, room: int, default_max_tokens: int | None) -> SamplingParams:
+    """Request -> SamplingParams. `room` is what the context window leaves after the prompt; without an explicit
+    max_tokens the request gets min(default, room) (chat: default None = the whole room)."""
+    requested = req.max_tokens or getattr(req, "max_completion_tokens", None)
+    if requested is not None and requested > room:
+        raise ApiError(400, f"max_tokens is {requested} but the context window leaves {room} tokens after the "
+                            "prompt: lower max_tokens or shorten the prompt", "max_tokens",
+                       "context_length_exceeded")
+    max_new = requested or min(default_max_tokens or room, room)
+    try:
+        return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                              max_new_tokens=max_new, stop=req.stop_strings(), ignore_eos=req.ignore_eos)
+    except SpecdecodeError as e:
+        raise ApiError(400, str(e)) from None

@@ -1,0 +1,100 @@
+"""POST /v1/completions and /v1/chat/completions: body -> checks -> queued Job -> streamed or whole answer.
+
+Every check a request can fail runs here, before it is queued, so a bad request costs the engine nothing and
+gets its 4xx at once: body size, JSON and field types, model name, prompt length, max_tokens against the
+context window, token ids in range, queue room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from specdecode.errors import SpecdecodeError
+from specdecode.server.errors import ApiError
+from specdecode.server.formats import Meta, completion, usage
+from specdecode.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_request, sampling_params
+from specdecode.server.scheduler import QueueFull, Scheduler
+from specdecode.server.settings import ServerSettings
+from specdecode.server.streams import JobStream, collect
+
+
+class CompletionService:
+    def __init__(self, decoder, scheduler: Scheduler, settings: ServerSettings) -> None:
+        self.decoder = decoder
+        self.scheduler = scheduler
+        self.settings = settings
+        self.max_len = decoder.engine.max_len
+        self.vocab_size = len(decoder.tokenizer)
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        raw = await read_body(request, self.settings.max_body_bytes)
+        req = parse_request(raw, ChatRequest if chat else CompletionRequest)
+        if req.model != self.settings.model_name:
+            raise ApiError(404, f"model '{req.model}' is not served here; this server serves "
+                                f"'{self.settings.model_name}' (see GET /v1/models)", "model", "model_not_found")
+        ids = await self._encode(req, chat)
+        room = self.max_len - len(ids)
+        if room < 1:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens but the context window is {self.max_len}: "
+                                "shorten the prompt", "messages" if chat else "prompt", "context_length_exceeded")
+        params = sampling_params(req, room, None if chat else self.settings.completion_default_max_tokens)
+        k = self._num_draft_tokens(req)
+        try:
+            job = self.scheduler.submit(ids, params, k)
+        except QueueFull:
+            raise ApiError(503, f"the server is busy ({self.settings.max_waiting} requests already waiting): "
+                                "retry shortly", code="server_busy", headers={"Retry-After": "1"}) from None
+
+        meta = Meta(req.model, chat)
+        used_k = self.scheduler.default_num_draft_tokens if k is None else k
+
+        def make_usage(stats: dict) -> dict:
+            return usage(stats, self.decoder.method, used_k)
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return JobStream(job, meta, make_usage, include_usage)
+        finished = await collect(job, request)
+        if finished is None:  # the client left; nobody will read this
+            return Response(status_code=499)
+        return JSONResponse(completion(meta, finished.text, finished.finish_reason, make_usage(finished.stats)))
+
+    async def _encode(self, req: SamplingFields, chat: bool) -> list[int]:
+        prompt = req.message_dicts() if chat else req.single_prompt()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                               "prompt")
+            return prompt
+        try:
+            # Off the event loop: a long prompt takes a while to tokenize, and other clients are streaming.
+            ids = await asyncio.to_thread(self.decoder.encode, prompt, chat)
+        except SpecdecodeError as e:
+            raise ApiError(400, str(e)) from None
+        if not ids:
+            raise ApiError(400, "the prompt is empty after tokenization", "prompt")
+        return ids
+
+    def _num_draft_tokens(self, req: SamplingFields) -> int | None:
+        k, limit = req.num_draft_tokens, self.settings.max_draft_tokens
+        if k is not None and k > limit:
+            raise ApiError(400, f"num_draft_tokens must be <= {limit}, got {k}", "num_draft_tokens")
+        return k
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    too_large = ApiError(413, f"the request body is larger than {limit} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
