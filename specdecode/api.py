@@ -103,10 +103,11 @@ class SpecDecoder:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False) -> Iterator[TextChunk]:
+    def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False,
+               num_draft_tokens: int | None = None) -> Iterator[TextChunk]:
         ids = self.encode(prompt, chat)
         text = TextStream(self.tokenizer, params.stop)
-        steps = self.engine.generate(ids, params)
+        steps = self.engine.generate(ids, params, num_draft_tokens)
         for step in steps:
             pieces, kept = text.push(step.tokens)
             self.stats.new_tokens -= len(step.tokens) - kept  # tokens past a stop string are not output
@@ -119,9 +120,10 @@ class SpecDecoder:
                 steps.close()
                 return
 
-    def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False) -> Generation:
+    def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False,
+                 num_draft_tokens: int | None = None) -> Generation:
         pieces, ids, flags, reason = [], [], [], None
-        for chunk in self.stream(prompt, params, chat):
+        for chunk in self.stream(prompt, params, chat, num_draft_tokens):
             pieces.append(chunk.text)
             ids += chunk.token_ids
             flags += chunk.from_draft

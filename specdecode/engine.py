@@ -43,8 +43,10 @@ class Engine:
         self.stats = GenerationStats()  # of the request in progress, or the last one
         self.tokens: list[int] = []  # prompt + emitted tokens of that request
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Step]:
-        """Yield one Step per target forward; the first comes from prefill. Stats land in `self.stats`."""
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 num_draft_tokens: int | None = None) -> Iterator[Step]:
+        """Yield one Step per target forward; the first comes from prefill. Stats land in `self.stats`.
+        `num_draft_tokens` overrides the engine's default draft length for this request."""
         if not prompt_ids:
             raise SpecdecodeError("the prompt is empty: give at least one token")
         if len(prompt_ids) >= self.max_len:
@@ -52,10 +54,11 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens but the context window is {self.max_len}: "
                 "shorten the prompt or raise max_len"
             )
-        return self._run(list(prompt_ids), params)
+        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        return self._run(list(prompt_ids), params, k)
 
     @torch.inference_mode()
-    def _run(self, tokens: list[int], params: SamplingParams) -> Iterator[Step]:
+    def _run(self, tokens: list[int], params: SamplingParams, num_draft_tokens: int) -> Iterator[Step]:
         if self.cache is None:
             self.cache = self.target.new_cache(1, self.max_len)
         cache, drafter = self.cache, self.drafter
@@ -75,7 +78,7 @@ class Engine:
         yield step
         while step.finish_reason is None:
             t0 = time.perf_counter()
-            budget = min(self.num_draft_tokens, params.max_new_tokens - stats.new_tokens - 1,
+            budget = min(num_draft_tokens, params.max_new_tokens - stats.new_tokens - 1,
                          self.max_len - len(tokens) - 1)
             ctx = DraftContext(tokens, params, generator, hidden)
             draft = drafter.propose(ctx, budget) if budget > 0 else Draft.empty()

@@ -42,8 +42,8 @@ class ScriptedDecoder:
     def encode(self, prompt, chat: bool = False) -> list[int]:
         return [ord(c) % 100 for c in str(prompt)]
 
-    def stream(self, ids: list[int], params: SamplingParams):
-        self.served.append((ids, self.engine.num_draft_tokens))
+    def stream(self, ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None):
+        self.served.append((ids, self.engine.num_draft_tokens if num_draft_tokens is None else num_draft_tokens))
         self.steps_run.append(0)
         self.stats = GenerationStats(prompt_tokens=len(ids))
         if ids == [99]:

@@ -127,12 +127,9 @@ class Scheduler:
     def _serve(self, job: Job) -> None:
         started = time.perf_counter()
         self.metrics.queue_time.observe(started - job.arrived)
-        # The worker owns the engine alone, so the per-request draft length is set before every request.
-        k = job.num_draft_tokens
-        self.decoder.engine.num_draft_tokens = self.default_num_draft_tokens if k is None else k
         self.metrics.running.set(1)
         reason, first_token_at, stats, last = "error", None, None, None
-        chunks = self.decoder.stream(job.prompt_ids, job.params)
+        chunks = self.decoder.stream(job.prompt_ids, job.params, num_draft_tokens=job.num_draft_tokens)
         try:
             for chunk in chunks:
                 stats = self.decoder.stats
