@@ -20,7 +20,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafters import DRAFTERS
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import load_model, load_tokenizer, resolve_dtype
+from specdecode.loading import load_model, load_tokenizer, resolve_draft_quantize, resolve_dtype
 from specdecode.stats import GenerationStats
 from specdecode.text import TextStream
 
@@ -72,9 +72,8 @@ class SpecDecoder:
         if method == "draft":
             draft = draft or DEFAULT_DRAFT
             check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
-            if draft_quantize == "auto":
-                draft_quantize = "int4" if device == "cpu" and torch_dtype == torch.bfloat16 else "none"
-            draft_model, _ = load_model(draft, torch_dtype, device, draft_quantize)
+            draft_model, _ = load_model(draft, torch_dtype, device,
+                                        resolve_draft_quantize(draft_quantize, torch_dtype, device))
             drafter = DRAFTERS[method](draft_model, vocab_size=model.config.vocab_size)
         elif method == "ngram":
             drafter = DRAFTERS[method](max_ngram=max_ngram)

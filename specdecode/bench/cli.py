@@ -20,9 +20,9 @@ from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, SpecDecoder
 from specdecode.bench.data import load_prompts
 from specdecode.bench.harness import run_bench
 from specdecode.bench.loaders import (
-    BenchModels, all_methods, build_runners, load_models, num_draft_tokens, parse_methods, resolve_draft_quantize,
-    weights_bytes,
+    BenchModels, all_methods, build_runners, load_models, num_draft_tokens, parse_methods, weights_bytes,
 )  # fmt: skip
+from specdecode.loading import resolve_draft_quantize
 from specdecode.bench.machine import command_line, machine_info
 from specdecode.bench.report import build_report, markdown
 from specdecode.cli import add_sampling_args, sampling_params

@@ -21,7 +21,7 @@ from specdecode.api import DEFAULT_NUM_DRAFT_TOKENS, SpecDecoder, check_same_tok
 from specdecode.bench.runners import HFRunner, Runner, SpecRunner
 from specdecode.drafters import DRAFTERS
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import load_model, load_tokenizer
+from specdecode.loading import load_model, load_tokenizer, resolve_draft_quantize
 from specdecode.weights import load_checkpoint
 
 BASELINE = "none"
@@ -82,13 +82,6 @@ def load_models(target: str, draft: str, methods: list[str], dtype: torch.dtype,
     if "hf-assisted" in methods:
         models.hf_draft = load_hf(draft, dtype, device)
     return models
-
-
-def resolve_draft_quantize(mode: str, dtype: torch.dtype, device: str) -> str:
-    # The rule SpecDecoder.load applies, so `draft` is benchmarked as `generate` runs it.
-    if mode != "auto":
-        return mode
-    return "int4" if device == "cpu" and dtype == torch.bfloat16 else "none"
 
 
 def load_hf(source: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
