@@ -106,6 +106,8 @@ class Engine:
         """One target forward over [root, *draft]; -> (emitted tokens, number accepted, their hidden states)."""
         device = self.target.device
         start, n = self.cache.length, len(draft)
+        if n > 1 and not torch.equal(draft.parents.cpu(), torch.arange(-1, n - 1)):
+            raise NotImplementedError("this engine verifies chains; tree drafts need tree verification")
         ids = torch.cat((torch.tensor([root], device=device), draft.tokens.to(device)))[None]  # [1, n + 1]
         positions = torch.arange(start, start + n + 1, device=device)[None]
         logits, hidden = self.target(ids, positions, self.cache, chain_mask(start, n + 1, device))
