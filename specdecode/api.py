@@ -26,8 +26,10 @@ from specdecode.text import TextStream
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-# Draft tokens per step when the user gives none; tuned on the dev prompts (see BENCHMARKS.md).
-DEFAULT_NUM_DRAFT_TOKENS = {"none": 0, "draft": 4, "ngram": 4}
+# Draft tokens per step when the user gives none; tuned on dev prompts (see BENCHMARKS.md). The draft model
+# drafts up to 8 but stops as soon as its own top probability falls below 0.5 (adaptive length).
+DEFAULT_NUM_DRAFT_TOKENS = {"none": 0, "draft": 8, "ngram": 4}
+DRAFT_MIN_CONFIDENCE = 0.5
 
 
 @dataclass
@@ -74,11 +76,7 @@ class SpecDecoder:
             check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
             draft_model, _ = load_model(draft, torch_dtype, device,
                                         resolve_draft_quantize(draft_quantize, torch_dtype, device))
-            drafter = DRAFTERS[method](draft_model, vocab_size=model.config.vocab_size)
-        elif method == "ngram":
-            drafter = DRAFTERS[method](max_ngram=max_ngram)
-        else:
-            drafter = DRAFTERS[method]()
+        drafter = build_drafter(method, model, draft_model if method == "draft" else None, max_ngram)
         k = DEFAULT_NUM_DRAFT_TOKENS[method] if num_draft_tokens is None else num_draft_tokens
         if k < 0:
             raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {k}")
@@ -128,6 +126,16 @@ class SpecDecoder:
             flags += chunk.from_draft
             reason = chunk.finish_reason
         return Generation("".join(pieces), ids, flags, reason, self.stats)
+
+
+def build_drafter(method: str, target: torch.nn.Module, draft_model: torch.nn.Module | None = None,
+                  max_ngram: int = 3):
+    """The drafter for `method` over already-loaded models, with the library's defaults."""
+    if method == "draft":
+        return DRAFTERS[method](draft_model, vocab_size=target.config.vocab_size, min_confidence=DRAFT_MIN_CONFIDENCE)
+    if method == "ngram":
+        return DRAFTERS[method](max_ngram=max_ngram)
+    return DRAFTERS[method]()
 
 
 def check_same_tokenizer(target_tok, draft_tok, target: str, draft: str) -> None:

@@ -104,7 +104,7 @@ def test_every_method_runs_and_json_has_the_schema(bench_run) -> None:
     assert none["acceptance_rate"] is None and report["methods"]["hf"]["mean_accepted_length"] == pytest.approx(1.0)
     draft = report["methods"]["draft"]
     assert draft["num_draft_tokens"] == 3 and 0 <= draft["acceptance_rate"] <= 1
-    assert len(draft["acceptance_per_position"]) == 3
+    assert 1 <= len(draft["acceptance_per_position"]) <= 3  # adaptive: an unsure draft stops early
     assert len(report["runs"]) == len(ROWS) * len(all_methods())
     for run in report["runs"]:
         for turn in run["turns"]:

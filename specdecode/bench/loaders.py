@@ -5,7 +5,7 @@ here; each gets its own `SpecDecoder` (own KV cache) over the one loaded target.
 transformers' `generate` on the same checkpoint files (the HF folder that `weights` resolved or converted), in the
 same dtype and on the same device:
   hf           plain greedy/sampled `generate`
-  hf-assisted  `assistant_model` = the draft checkpoint, k tokens per step, fixed k (no confidence cut-off)
+  hf-assisted  `assistant_model` = the draft checkpoint, up to k tokens per step, our confidence cut-off
   hf-pld       `prompt_lookup_num_tokens` = k, n-grams up to `max_ngram` (prompt lookup decoding)
 Their k defaults to that of the method of ours they mirror, so both sides speculate alike.
 """
@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-from specdecode.api import DEFAULT_NUM_DRAFT_TOKENS, SpecDecoder, check_same_tokenizer
+from specdecode.api import (
+    DEFAULT_NUM_DRAFT_TOKENS, DRAFT_MIN_CONFIDENCE, SpecDecoder, build_drafter, check_same_tokenizer,
+)  # fmt: skip
 from specdecode.bench.runners import HFRunner, Runner, SpecRunner
 from specdecode.drafters import DRAFTERS
 from specdecode.errors import SpecdecodeError
@@ -99,27 +101,19 @@ def build_runners(methods: list[str], models: BenchModels, override_k: int | Non
         if method in HF_METHODS:
             runners[method] = HFRunner(models.hf_target, models.eos_token_ids, hf_options(method, models, k, max_ngram))
         else:
-            drafter = make_drafter(method, models, max_ngram)
+            drafter = build_drafter(method, models.target, models.draft, max_ngram)
             decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len)
             runners[method] = SpecRunner(decoder, models.target.device)
     return runners
 
 
-def make_drafter(method: str, models: BenchModels, max_ngram: int) -> Any:
-    # The same construction as SpecDecoder.load, over models that are already loaded.
-    if method == "draft":
-        return DRAFTERS[method](models.draft, vocab_size=models.target.config.vocab_size)
-    if method == "ngram":
-        return DRAFTERS[method](max_ngram=max_ngram)
-    return DRAFTERS[method]()
-
-
 def hf_options(method: str, models: BenchModels, k: int, max_ngram: int) -> dict[str, Any]:
     if method == "hf-assisted":
-        # transformers reads these from the assistant's own generation config; fix k like our engine does.
+        # transformers reads these from the assistant's own generation config: the same k and the same
+        # confidence cut-off as our draft method, so both sides speculate alike.
         config = models.hf_draft.generation_config
         config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
-        config.assistant_confidence_threshold = 0.0
+        config.assistant_confidence_threshold = DRAFT_MIN_CONFIDENCE
         return {"assistant_model": models.hf_draft}
     if method == "hf-pld":
         return {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": max_ngram}
