@@ -35,24 +35,14 @@ def prompts(limit: int) -> list[tuple[str, object, bool]]:
     return out
 
 
-class MarginRecorder(torch.nn.Module):
-    """Wraps the target; records the top-2 logit margin of the last row of every forward (plain decoding)."""
+def record_margins(model: torch.nn.Module, margins: list[float]):
+    """Append the top-2 logit margin of the last row of every forward of `model` to `margins`; -> hook handle."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model, self.margins = model, []
+    def hook(module, inputs, output) -> None:
+        top = output[0][0, -1].topk(2).values
+        margins.append(float(top[0] - top[1]))
 
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.model, name)
-
-    def forward(self, *args, **kwargs):
-        logits, hidden = self.model(*args, **kwargs)
-        top = logits[0, -1].topk(2).values
-        self.margins.append(float(top[0] - top[1]))
-        return logits, hidden
+    return model.register_forward_hook(hook)
 
 
 def main() -> None:
@@ -66,15 +56,15 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype)
     target, tok = load_model(args.target, dtype)
     draft, _ = load_model(args.draft, dtype)
-    recorder = MarginRecorder(target)
     methods = {"draft": DraftModelDrafter(draft, vocab_size=target.config.vocab_size), "ngram": NgramDrafter()}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     total = mismatches = 0
     print(f"target {args.target}, draft {args.draft}, dtype {args.dtype}, greedy, {args.max_new_tokens} new tokens")
     for name, prompt, chat in prompts(args.limit):
-        recorder.margins = []
-        plain = SpecDecoder(recorder, tok, NoDrafter(), "none", 0).generate(prompt, params, chat=chat).token_ids
-        margins = recorder.margins
+        margins: list[float] = []
+        watch = record_margins(target, margins)  # only while decoding plainly
+        plain = SpecDecoder(target, tok, NoDrafter(), "none", 0).generate(prompt, params, chat=chat).token_ids
+        watch.remove()
         for method, drafter in methods.items():
             total += 1
             got = SpecDecoder(target, tok, drafter, method, DEFAULT_NUM_DRAFT_TOKENS[method]).generate(

@@ -13,8 +13,7 @@ from specdecode.errors import SpecdecodeError
 from specdecode.hf_model import HFModel
 from specdecode.model import Transformer, rope_inv_freq
 from specdecode.quantize import quantize_
-from specdecode.weights import load_checkpoint
-from specdecode.weights import load_tokenizer as _load_tokenizer
+from specdecode.weights import load_checkpoint, load_tokenizer  # noqa: F401  (load_tokenizer: re-exported)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -49,10 +48,6 @@ def _cpu_has_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def load_tokenizer(source: str):
-    return _load_tokenizer(source)
 
 
 def load_model(source: str, dtype: torch.dtype, device: str = "cpu",
