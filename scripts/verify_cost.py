@@ -23,7 +23,7 @@ def forward_ms(model, cache, prefix: int, m: int, repeats: int) -> float:
         cache.truncate(prefix)
         ids = torch.randint(0, 1000, (1, m))
         start = time.perf_counter()
-        model(ids, torch.arange(prefix, prefix + m)[None], cache, chain_mask(prefix, m))
+        model(ids, torch.arange(prefix, prefix + m)[None], cache, chain_mask(prefix, m), decode=True)
         best = min(best, time.perf_counter() - start)
     return best * 1000
 
@@ -32,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--modes", default="none,int8,int4")
-    ap.add_argument("--sizes", default="1,2,4,6,8")
+    ap.add_argument("--sizes", default="1,2,4,6,8,10")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]

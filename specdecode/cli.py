@@ -26,10 +26,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization of the target (CPU); output is exact for that target")
+                   help="weight-only quantization of the target (CPU kernel); output is exact for that target")
     p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="quantization of the draft model: changes speed only, never the output "
-                        "(auto: int4 on CPU in bfloat16)")
+                        "(auto: int8 on CPU)")
     p.add_argument("--max-len", type=int, default=8192, help="context window to allocate (tokens)")
 
 

@@ -110,7 +110,8 @@ class Engine:
             raise NotImplementedError("this engine verifies chains; tree drafts need tree verification")
         ids = torch.cat((torch.tensor([root], device=device), draft.tokens.to(device)))[None]  # [1, n + 1]
         positions = torch.arange(start, start + n + 1, device=device)[None]
-        logits, hidden = self.target(ids, positions, self.cache, chain_mask(start, n + 1, device))
+        # decode=True: every row as a one-token forward computes it, so `none` and every drafter agree bit for bit.
+        logits, hidden = self.target(ids, positions, self.cache, chain_mask(start, n + 1, device), decode=True)
         verdict = verify_chain(logits[0], draft.tokens.to(device), draft.probs, params, generator)
         # Valid now: the root and the accepted draft tokens. The emitted last token is fed next step.
         self.cache.truncate(start + 1 + verdict.num_accepted)

@@ -68,6 +68,7 @@ class HFModel(nn.Module):
         cache: HFCache,
         attn_mask: torch.Tensor,  # [B or 1, 1, T, S]; must be causal over a contiguous prefix
         logits_from: int = 0,
+        decode: bool = False,  # accepted for the shared contract; transformers' kernels are not batch-invariant
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start, count = cache.length, tokens.shape[1]
         if attn_mask.shape[-1] != start + count or not bool(attn_mask[..., start:].tril().eq(attn_mask[..., start:]).all()):

@@ -60,6 +60,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def prefix_spans(attn_mask: torch.Tensor) -> list[int]:
+    """[B, 1, T, S] mask whose rows each allow a prefix of the slots -> the prefix lengths [T]."""
+    rows = attn_mask[0, 0]  # [T, S]
+    spans = rows.sum(-1)  # [T]
+    if not torch.equal(rows, torch.arange(rows.shape[-1], device=rows.device) < spans[:, None]):
+        raise NotImplementedError("exact decode steps take chain masks; tree verification needs per-row gathers")
+    return spans.tolist()
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -83,6 +92,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [B, kv_heads, max_len, hd]
         write_pos: torch.Tensor,  # [T] cache slots of the new tokens
         attn_mask: torch.Tensor,  # [B, 1, T, S]
+        row_spans: list[int] | None,  # per row: attend to slots [0, span); None = one call under attn_mask
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
@@ -94,10 +104,17 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         k_cache.index_copy_(2, write_pos, k)
         v_cache.index_copy_(2, write_pos, v)
-        span = attn_mask.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=attn_mask, enable_gqa=True
-        )  # [B, H, T, hd]
+        if row_spans is None:
+            span = attn_mask.shape[-1]
+            out = F.scaled_dot_product_attention(
+                q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=attn_mask, enable_gqa=True
+            )  # [B, H, T, hd]
+        else:  # one query per call, exactly the call a one-token forward makes, so rows agree bit for bit
+            out = torch.cat([
+                F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, :span], v_cache[:, :, :span],
+                                               enable_gqa=True)
+                for j, span in enumerate(row_spans)
+            ], dim=2)  # fmt: skip
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -162,14 +179,17 @@ class Transformer(nn.Module):
         cache: KVCache,
         attn_mask: torch.Tensor,  # [B or 1, 1, T, S] bool
         logits_from: int = 0,  # logits only for positions [logits_from, T): prefill needs the last one only
+        decode: bool = False,  # compute every row exactly as a one-token forward would (decode and verify steps)
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        row_spans = prefix_spans(attn_mask) if decode else None
         x = self.model.embed_tokens(tokens)  # [B, T, d]
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         write_pos = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)  # [T]
         for i, block in enumerate(self.model.layers):
-            h = block.self_attn(block.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], write_pos, attn_mask)
+            h = block.self_attn(block.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], write_pos, attn_mask,
+                                row_spans)
             x = x + h
             x = x + block.mlp(block.post_attention_layernorm(x))
         hidden = self.model.norm(x)  # [B, T, d]

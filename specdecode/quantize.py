@@ -1,9 +1,13 @@
-"""Weight-only int8 / int4 quantization, applied from outside the model (`quantize_(model, "int4")`).
+"""Weight formats for CPU linear layers, applied from outside the model (`quantize_(model, "int4")`).
 
 Decoding is memory-bound: every token reads every weight, so fewer bytes per weight is more tokens per second.
-int8: symmetric per output channel. int4: asymmetric in groups of 32 along the input dimension. Activations stay
-bfloat16; PyTorch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) do the matmul.
-Speculation stays lossless relative to the quantized target: the target that is verified against is this one.
+On CPU every linear layer runs through the native kernel (`kernels/linear_cpu.cpp`) with its weights stored as
+  none: the model's own dtype (float32 or bfloat16, no copy)
+  int8: symmetric, one scale per output row
+  int4: asymmetric groups of 32 along the input (scale and min per group, the form of GGUF's Q4_K blocks)
+The kernel keeps a verify forward over k + 1 tokens nearly as cheap as a one-token forward and computes every row
+exactly as a one-token forward would, so speculation is lossless relative to the target as quantized here.
+Without the kernel (CUDA, CPUs without AVX2) `none` keeps PyTorch's nn.Linear and int8/int4 are refused.
 """
 
 from __future__ import annotations
@@ -12,68 +16,80 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecdecodeError
+from specdecode.kernels import cpu_linear
 
 MODES = ("none", "int8", "int4")
+GROUP = 32  # int4 group size along the input dimension
 
 
-class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+class KernelLinear(nn.Module):
+    """nn.Linear on the native CPU kernel; activations of any float dtype, float32 accumulation."""
+
+    def __init__(self, linear: nn.Linear, mode: str, kernels) -> None:
         super().__init__()
-        w = linear.weight.detach().float()  # [out, in]
-        scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127  # [out]
-        self.register_buffer("weight_q", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(torch.bfloat16))
         self.bias = linear.bias
+        weight = linear.weight.detach()  # [out, in]
+        if mode == "none":
+            self.format = "fp32" if weight.dtype == torch.float32 else "bf16"
+            self.weight = linear.weight  # the same Parameter: tied embeddings stay tied, nothing is copied
+            self.tensor_names = ("weight",)
+        elif mode == "int8":
+            self.format = "int8"
+            w = weight.float()
+            scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127  # [out]
+            self.register_buffer("weight_q", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+            self.register_buffer("scales", scales)
+            self.tensor_names = ("weight_q", "scales")
+        else:
+            self.format = "int4"
+            packed, scales, mins = pack_int4(weight.float())
+            self.register_buffer("weight_q", packed)
+            self.register_buffer("scales", scales)
+            self.register_buffer("mins", mins)
+            self.tensor_names = ("weight_q", "scales", "mins")
+        self.linear = getattr(kernels, f"linear_{self.format}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight_q, self.scales)
-        out = out.view(*shape[:-1], -1)
+        weights = [getattr(self, name) for name in self.tensor_names]
+        out = self.linear(x.reshape(-1, shape[-1]).float().contiguous(), *weights)  # [M, out] float32
+        out = out.view(*shape[:-1], -1).to(x.dtype)
         return out + self.bias if self.bias is not None else out
 
 
-class Int4Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, group_size: int = 32) -> None:
-        super().__init__()
-        out_features, in_features = linear.weight.shape
-        w = linear.weight.detach().float().view(out_features, in_features // group_size, group_size)
-        low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        scale = (high - low).clamp_min(1e-8) / 15  # [out, groups, 1]
-        q = ((w - low) / scale).round().clamp(0, 15).view(out_features, in_features).to(torch.int32)
-        # The kernel computes (q - 8) * scale + zero, so zero is the group's value at q = 8.
-        zero = low + 8 * scale
-        scales_zeros = torch.stack((scale.squeeze(-1).t(), zero.squeeze(-1).t()), dim=-1)  # [groups, out, 2]
-        self.register_buffer("weight_q", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        self.register_buffer("scales_zeros", scales_zeros.to(torch.bfloat16).contiguous())
-        self.group_size = group_size
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, shape[-1]), self.weight_q, self.group_size, self.scales_zeros)
-        out = out.view(*shape[:-1], -1)
-        return out + self.bias if self.bias is not None else out
+def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] float32 -> (packed uint8 [out, in / 2], scales [out, in / 32], mins [out, in / 32]) with
+    w ~= q * scale + min, q in 0..15. In each group byte j holds q[j] (low nibble) and q[j + 16] (high)."""
+    out_features, in_features = w.shape
+    groups = w.view(out_features, in_features // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
+    scale = (high - low).clamp_min(1e-8) / 15
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    packed = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)  # [out, groups, 16]
+    return packed.reshape(out_features, in_features // 2).contiguous(), scale.contiguous(), low.contiguous()
 
 
 def quantize_(model: nn.Module, mode: str) -> nn.Module:
-    """Replace every nn.Linear of `model` in place (CPU, bfloat16 activations); the embedding stays."""
+    """Put every nn.Linear of a CPU `model` on the native kernel, in `mode`'s weight format, in place."""
     if mode not in MODES:
         raise SpecdecodeError(f"unknown quantization '{mode}': choose one of {', '.join(MODES)}")
-    if mode == "none":
-        return model
-    if next(model.parameters()).device.type != "cpu":
-        raise SpecdecodeError("--quantize uses PyTorch's CPU kernels: run it with --device cpu")
-    make = Int8Linear if mode == "int8" else Int4Linear
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    kernels = cpu_linear() if on_cpu else None
+    if kernels is None:
+        if mode == "none":
+            return model
+        where = "this CPU (it needs AVX2, FMA and a C++ compiler)" if on_cpu else "CUDA"
+        raise SpecdecodeError(f"--quantize {mode} uses specdecode's CPU kernel, which is not available on {where}")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and supported(child, mode):
-                setattr(parent, name, make(child))
+                setattr(parent, name, KernelLinear(child, mode, kernels))
     return model
 
 
 def supported(linear: nn.Linear, mode: str) -> bool:
-    """The int4 kernel packs 16 output rows and 32-wide groups; odd shapes (tiny test models, some vocab sizes)
-    keep their bfloat16 weights rather than failing."""
-    out_features, in_features = linear.weight.shape
-    return mode == "int8" or (out_features % 16 == 0 and in_features % 32 == 0)
+    """The kernel reads the input dimension 8 floats (int4: a 32-wide group) at a time and stores float32 or
+    bfloat16 as they are; other shapes and dtypes keep nn.Linear."""
+    if mode == "none" and linear.weight.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return linear.weight.shape[1] % (GROUP if mode == "int4" else 8) == 0

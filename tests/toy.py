@@ -30,7 +30,7 @@ class BigramModel(torch.nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(1, batch, 1, max_len, 1, torch.float32)
 
-    def forward(self, tokens, positions, cache, attn_mask, logits_from=0):
+    def forward(self, tokens, positions, cache, attn_mask, logits_from=0, decode=False):
         logits = self.table[tokens]  # [B, T, vocab]
         return logits[:, logits_from:], logits
 

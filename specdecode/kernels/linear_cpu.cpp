@@ -1,0 +1,180 @@
+// Weight-only linear layer for CPUs with AVX2 + FMA: y[M, N] = x[M, K] @ W[N, K]^T, x and y float32.
+//
+// Two properties the engine needs and stock kernels lack on such CPUs:
+//  * Flat in M. Decoding is memory-bound: each weight is read from memory and decoded to float32 in a register
+//    once per tile of up to six activation rows, then used for all of them. Verifying k draft tokens (M = k + 1)
+//    costs little more than decoding one (M = 1), which is what makes speculation pay.
+//  * Batch-invariant. Every output y[m, n] is reduced in one fixed order (eight float32 lanes along K, then a fixed
+//    horizontal sum), whatever M is, whichever tile row m falls in and however rows are split across threads. So a
+//    verify forward produces bit for bit the numbers a one-token forward would, and speculative greedy output is
+//    token-identical to plain decoding in any weight format.
+//
+// Weight formats (decoded values w[n, k]):
+//   fp32: float32 [N, K].
+//   bf16: uint16 [N, K], the upper half of a float32.
+//   int8: int8 [N, K] and float32 scales [N]: w = q * scale[n].
+//   int4: uint8 [N, K / 2], groups of 32 along K stored in 16 bytes: byte j holds q[j] (low nibble) and q[j + 16]
+//         (high nibble); float32 scales and mins [N, K / 32]: w = q * scale + min (the form of GGUF's Q4_K blocks).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace {
+
+constexpr int kMaxTile = 6;
+
+enum class Format { fp32, bf16, int8, int4 };
+
+struct Weights {
+  Format format;
+  const void* data;
+  const float* scales;  // int8: [N]; int4: [N, K / 32]
+  const float* mins;    // int4: [N, K / 32]
+  int64_t K;
+};
+
+// Eight decoded weights w[n, k .. k + 8) in a register (int8: before its row scale, applied to the sum).
+template <Format F>
+inline __m256 decode8(const Weights& w, int64_t n, int64_t k) {
+  if constexpr (F == Format::fp32) {
+    return _mm256_loadu_ps(static_cast<const float*>(w.data) + n * w.K + k);
+  } else if constexpr (F == Format::bf16) {
+    const uint16_t* src = static_cast<const uint16_t*>(w.data) + n * w.K + k;
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  } else if constexpr (F == Format::int8) {
+    const int8_t* src = static_cast<const int8_t*>(w.data) + n * w.K + k;
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+  } else {
+    const int64_t group = k / 32, step = (k % 32) / 8;  // step 0, 1: low nibbles of bytes 0-7, 8-15; 2, 3: high
+    const uint8_t* src = static_cast<const uint8_t*>(w.data) + n * (w.K / 2) + 16 * group + 8 * (step & 1);
+    __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+    __m256i q = step < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4);
+    const int64_t at = n * (w.K / 32) + group;
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(w.scales[at]), _mm256_set1_ps(w.mins[at]));
+  }
+}
+
+// The one fixed horizontal sum of eight lanes.
+inline float lane_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // lanes i + (i + 4)
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                          // + (i + 2)
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));                                           // + (i + 1)
+  return _mm_cvtss_f32(s);
+}
+
+// y[m, n0 + r] for TILE activation rows and ROWS weight rows, each weight register decoded once for the tile.
+// acc[m][r] lane l sums k = l (mod 8) in increasing k: the same chain for every tile shape, hence invariance.
+template <Format F, int TILE, int ROWS>
+void tile(const float* x, const Weights& w, float* y, int64_t N, int64_t n0) {
+  const int64_t K = w.K;
+  __m256 acc[TILE][ROWS];
+  for (int m = 0; m < TILE; ++m)
+    for (int r = 0; r < ROWS; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[ROWS];
+    for (int r = 0; r < ROWS; ++r) wv[r] = decode8<F>(w, n0 + r, k);
+    for (int m = 0; m < TILE; ++m) {
+      __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < ROWS; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < TILE; ++m)
+    for (int r = 0; r < ROWS; ++r) {
+      float sum = lane_sum(acc[m][r]);
+      y[m * N + n0 + r] = F == Format::int8 ? sum * w.scales[n0 + r] : sum;
+    }
+}
+
+// Any tile height up to kMaxTile. block() keeps TILE * ROWS accumulators + ROWS weights + one activation within
+// the 16 ymm registers: four weight rows only for tiles of one or two activation rows.
+template <Format F, int ROWS>
+void tile_any(int tile_rows, const float* x, const Weights& w, float* y, int64_t N, int64_t n0) {
+  switch (tile_rows) {
+    case 1: return tile<F, 1, ROWS>(x, w, y, N, n0);
+    case 2: return tile<F, 2, ROWS>(x, w, y, N, n0);
+    case 3: return tile<F, 3, ROWS>(x, w, y, N, n0);
+    case 4: return tile<F, 4, ROWS>(x, w, y, N, n0);
+    case 5: return tile<F, 5, ROWS>(x, w, y, N, n0);
+    default: return tile<F, 6, ROWS>(x, w, y, N, n0);
+  }
+}
+
+// All M rows for weight rows [n0, n0 + 4): at most two activation rows with four weight rows, more with two.
+template <Format F>
+void block(const float* x, int64_t M, const Weights& w, float* y, int64_t N, int64_t n0) {
+  const int rows = static_cast<int>(std::min<int64_t>(4, N - n0));
+  for (int64_t m = 0; m < M; m += kMaxTile) {
+    const int t = static_cast<int>(std::min<int64_t>(kMaxTile, M - m));
+    const float* xm = x + m * w.K;
+    float* ym = y + m * N;
+    if (rows == 4 && t <= 2) {
+      tile_any<F, 4>(t, xm, w, ym, N, n0);
+    } else if (rows == 4) {  // wider tiles take two weight rows at a time
+      tile_any<F, 2>(t, xm, w, ym, N, n0);
+      tile_any<F, 2>(t, xm, w, ym, N, n0 + 2);
+    } else {
+      for (int r = 0; r < rows; ++r) tile_any<F, 1>(t, xm, w, ym, N, n0 + r);
+    }
+  }
+}
+
+torch::Tensor run(const torch::Tensor& x, const Weights& w, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, K] float32");
+  TORCH_CHECK(x.size(1) == w.K && w.K % 8 == 0, "K must match the weights and be a multiple of 8");
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      switch (w.format) {
+        case Format::fp32: block<Format::fp32>(xp, M, w, yp, N, 4 * b); break;
+        case Format::bf16: block<Format::bf16>(xp, M, w, yp, N, 4 * b); break;
+        case Format::int8: block<Format::int8>(xp, M, w, yp, N, 4 * b); break;
+        case Format::int4: block<Format::int4>(xp, M, w, yp, N, 4 * b); break;
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(), "weight must be float32 [N, K]");
+  return run(x, {Format::fp32, weight.data_ptr(), nullptr, nullptr, weight.size(1)}, weight.size(0));
+}
+
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), "weight must be bfloat16 [N, K]");
+  return run(x, {Format::bf16, weight.data_ptr(), nullptr, nullptr, weight.size(1)}, weight.size(0));
+}
+
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales) {
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.is_contiguous(), "qweight must be int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == qweight.size(0), "scales: float32 [N]");
+  return run(x, {Format::int8, qweight.data_ptr(), scales.data_ptr<float>(), nullptr, qweight.size(1)},
+             qweight.size(0));
+}
+
+torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          const torch::Tensor& mins) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be uint8 [N, K / 2]");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(K % 32 == 0, "int4 needs K to be a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * K / 32,
+              "scales: float32 [N, K / 32]");
+  TORCH_CHECK(mins.scalar_type() == torch::kFloat32 && mins.is_contiguous() && mins.numel() == N * K / 32,
+              "mins: float32 [N, K / 32]");
+  return run(x, {Format::int4, packed.data_ptr(), scales.data_ptr<float>(), mins.data_ptr<float>(), K}, N);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_fp32", &linear_fp32, "y = x @ W^T, W float32");
+  m.def("linear_bf16", &linear_bf16, "y = x @ W^T, W bfloat16");
+  m.def("linear_int8", &linear_int8, "y = x @ (q * scale)^T, per output row scales");
+  m.def("linear_int4", &linear_int4, "y = x @ (q * scale + min)^T, groups of 32");
+}
