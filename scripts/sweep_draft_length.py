@@ -1,12 +1,13 @@
 """Sweep the draft model's length cap k and confidence cut-off on dev prompts outside the bench set.
 
-    python scripts/sweep_draft_length.py
+    python scripts/sweep_draft_length.py [--settings 4:0,8:0.5,...]   (k:min_confidence pairs)
 
 Prompts: HumanEval/3-4 (raw), MT-Bench 91-92 turn 1 and GSM8K 3 (chat); 96 new tokens, greedy, default models.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -22,6 +23,9 @@ def rows(name: str, start: int, stop: int) -> list[dict]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--settings", default=",".join(f"{k}:{c}" for k, c in SETTINGS), help="k:min_confidence,...")
+    settings = [(int(k), float(c)) for k, c in (pair.split(":") for pair in ap.parse_args().settings.split(","))]
     prompts = ([(r["prompt"], False) for r in rows("humaneval_dev.jsonl", 3, 5)]
                + [(r["turns"][0], True) for r in rows("mt_bench.jsonl", 10, 12)]
                + [(r["question"], True) for r in rows("gsm8k_dev.jsonl", 3, 4)])
@@ -29,7 +33,7 @@ def main() -> None:
     draft_model, vocab = decoder.engine.drafter.model, decoder.engine.target.config.vocab_size
     params = SamplingParams(max_new_tokens=96)
     decoder.generate(prompts[0][0], SamplingParams(max_new_tokens=8))  # warm-up
-    for k, confidence in SETTINGS:
+    for k, confidence in settings:
         decoder.engine.drafter = DraftModelDrafter(draft_model, vocab_size=vocab, min_confidence=confidence)
         tokens = seconds = 0.0
         lengths = []

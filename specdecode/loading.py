@@ -11,7 +11,7 @@ import torch
 from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig
 from specdecode.errors import SpecdecodeError
 from specdecode.hf_model import HFModel
-from specdecode.kernels import cpu_linear
+from specdecode.kernels import cpu_kernels
 from specdecode.model import Transformer, rope_inv_freq
 from specdecode.quantize import quantize_
 from specdecode.weights import load_checkpoint, load_tokenizer  # noqa: F401  (load_tokenizer: re-exported)
@@ -26,7 +26,7 @@ def resolve_dtype(name: str, device: str = "cpu", quantize: str = "none") -> tor
         if device.startswith("cuda"):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         fast_bf16 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and _cpu_has_bf16()
-        return torch.bfloat16 if fast_bf16 or cpu_linear() is not None else torch.float32
+        return torch.bfloat16 if fast_bf16 or cpu_kernels() is not None else torch.float32
     if name not in DTYPES:
         raise SpecdecodeError(f"unknown dtype '{name}': choose auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -37,7 +37,7 @@ def resolve_draft_quantize(mode: str, dtype: torch.dtype, device: str) -> str:
     output, and int8 weights make each guess about 1.6x cheaper than bf16 (int4 decodes slower on AVX2)."""
     if mode != "auto":
         return mode
-    return "int8" if device == "cpu" and cpu_linear() is not None else "none"
+    return "int8" if device == "cpu" and cpu_kernels() is not None else "none"
 
 
 def _cpu_has_bf16() -> bool:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecdecodeError
-from specdecode.kernels import cpu_linear
+from specdecode.kernels import cpu_kernels
 
 MODES = ("none", "int8", "int4")
 GROUP = 32  # int4 group size along the input dimension
@@ -74,7 +74,7 @@ def quantize_(model: nn.Module, mode: str) -> nn.Module:
     if mode not in MODES:
         raise SpecdecodeError(f"unknown quantization '{mode}': choose one of {', '.join(MODES)}")
     on_cpu = next(model.parameters()).device.type == "cpu"
-    kernels = cpu_linear() if on_cpu else None
+    kernels = cpu_kernels() if on_cpu else None
     if kernels is None:
         if mode == "none":
             return model

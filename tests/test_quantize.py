@@ -7,12 +7,12 @@ import torch
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import Engine
-from specdecode.kernels import cpu_linear
+from specdecode.kernels import cpu_kernels
 from specdecode.masks import chain_mask
 from specdecode.quantize import KernelLinear, pack_int4, quantize_
 from tiny import tiny_native
 
-kernels = cpu_linear()
+kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
 
 

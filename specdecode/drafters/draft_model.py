@@ -73,7 +73,8 @@ class DraftModelDrafter:
         start, count = self.cache.length, ids.shape[1]
         positions = torch.arange(start, start + count, device=ids.device)[None]
         mask = chain_mask(start, count, ids.device)
-        logits, _ = self.model(ids, positions, self.cache, mask, logits_from=count - 1)
+        # decode=True takes the per-row path, cheaper on CPU for a few tokens; a long catch-up (the prompt) is batched.
+        logits, _ = self.model(ids, positions, self.cache, mask, logits_from=count - 1, decode=count <= 8)
         self.cache.truncate(start + count)
         return logits[0, -1]
 

@@ -141,6 +141,9 @@ torch::Tensor run(const torch::Tensor& x, const Weights& w, int64_t N) {
   return y;
 }
 
+
+}  // namespace
+
 torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(), "weight must be float32 [N, K]");
   return run(x, {Format::fp32, weight.data_ptr(), nullptr, nullptr, weight.size(1)}, weight.size(0));
@@ -168,13 +171,4 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   TORCH_CHECK(mins.scalar_type() == torch::kFloat32 && mins.is_contiguous() && mins.numel() == N * K / 32,
               "mins: float32 [N, K / 32]");
   return run(x, {Format::int4, packed.data_ptr(), scales.data_ptr<float>(), mins.data_ptr<float>(), K}, N);
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_fp32", &linear_fp32, "y = x @ W^T, W float32");
-  m.def("linear_bf16", &linear_bf16, "y = x @ W^T, W bfloat16");
-  m.def("linear_int8", &linear_int8, "y = x @ (q * scale)^T, per output row scales");
-  m.def("linear_int4", &linear_int4, "y = x @ (q * scale + min)^T, groups of 32");
 }
