@@ -4,11 +4,15 @@ Differences between the families are config flags (`qkv_bias`, `qk_norm`, tied e
 forked copies. Parameter names are Hugging Face's, so a HF state dict loads as is.
 
 Forward contract, shared with `hf_model.HFModel`:
-    forward(tokens [B, T], positions [B, T], cache, attn_mask [B, 1, T, S] bool, logits_from) -> (logits, hidden)
+    forward(tokens [B, T], positions [B, T], cache, attn_mask [B, 1, T, S] bool, logits_from, decode)
+        -> (logits, hidden)
 Keys and values of the T new tokens are written into cache slots [cache.length, cache.length + T); `positions`
 are their rotary positions (equal to the slots for a chain, the depth for tree nodes); attention reads slots
 [0, S) under `attn_mask` (True = may attend). The caller owns `cache.length` and advances it after the call.
 Explicit positions and masks are what let one forward verify a chain or a tree of draft tokens.
+`decode=True` (the engine's decode and verify steps) computes every row exactly as a one-token forward of that
+token would: attention one row at a time, and, with the linear layers on the CPU kernel (quantize.py), a verify
+forward's logits equal one-token forwards bit for bit.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=attn_mask, enable_gqa=True
             )  # [B, H, T, hd]
-        elif (kernels := cpu_kernels() if x.device.type == "cpu" else None) is not None:
+        elif (kernels := cpu_kernels() if x.device.type == "cpu" and self.head_dim % 8 == 0 else None) is not None:
             # Each row by one fixed sequence of operations whatever T is: rows agree bit for bit with T = 1.
             out = kernels.decode_attention(q.float().contiguous(), k_cache, v_cache, row_spans).to(x.dtype)
         else:  # one query per call, exactly the call a one-token forward makes, so rows agree bit for bit
