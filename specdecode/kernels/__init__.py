@@ -8,10 +8,13 @@ kernels, which are correct but neither flat in the number of tokens nor batch-in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import os
 import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -36,6 +39,12 @@ def cpu_kernels() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
+    if shutil.which("ninja") is None:  # the pip-installed ninja lives in the environment, maybe not on PATH
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
     from specdecode.hub import cache_dir
 
     # One build per source version and torch version; the first build takes about a minute.
@@ -45,6 +54,8 @@ def cpu_kernels() -> ModuleType | None:
     key = hashlib.sha256(text).hexdigest()[:12]
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):
+        print("specdecode: building the native CPU kernels for this machine (once, about a minute)...", file=sys.stderr)
     try:
         return cpp_extension.load(
             name=f"specdecode_cpu_kernels_{key}", sources=[str(path) for path in SOURCES], build_directory=str(build),
