@@ -69,13 +69,13 @@ class SpecDecoder:
         changes how good and how cheap the guesses are, never the output. 'auto' = int4 on CPU in bfloat16."""
         if method not in DRAFTERS:
             raise SpecdecodeError(f"unknown method '{method}': choose one of {', '.join(DRAFTERS)}")
-        torch_dtype = resolve_dtype(dtype, device, quantize)
+        torch_dtype = resolve_dtype(dtype, device)
         model, tokenizer = load_model(target, torch_dtype, device, quantize)
         if method == "draft":
             draft = draft or DEFAULT_DRAFT
             check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
             draft_model, _ = load_model(draft, torch_dtype, device,
-                                        resolve_draft_quantize(draft_quantize, torch_dtype, device))
+                                        resolve_draft_quantize(draft_quantize, device))
         drafter = build_drafter(method, model, draft_model if method == "draft" else None, max_ngram)
         k = DEFAULT_NUM_DRAFT_TOKENS[method] if num_draft_tokens is None else num_draft_tokens
         if k < 0:

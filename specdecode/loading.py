@@ -11,7 +11,7 @@ import torch
 from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig
 from specdecode.errors import SpecdecodeError
 from specdecode.hf_model import HFModel
-from specdecode.kernels import cpu_kernels
+from specdecode.kernels import cpu_flags, cpu_kernels
 from specdecode.model import Transformer, rope_inv_freq
 from specdecode.quantize import quantize_
 from specdecode.weights import load_checkpoint, load_tokenizer  # noqa: F401  (load_tokenizer: re-exported)
@@ -19,34 +19,25 @@ from specdecode.weights import load_checkpoint, load_tokenizer  # noqa: F401  (l
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: str = "cpu", quantize: str = "none") -> torch.dtype:
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """'auto' is bfloat16 where bf16 weights are fast: CUDA, and CPUs where specdecode's kernel runs (it reads
     bf16 weights, half the bytes of float32, and accumulates in float32) or that have AVX-512 BF16 / AMX."""
     if name == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        fast_bf16 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and _cpu_has_bf16()
+        fast_bf16 = bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
         return torch.bfloat16 if fast_bf16 or cpu_kernels() is not None else torch.float32
     if name not in DTYPES:
         raise SpecdecodeError(f"unknown dtype '{name}': choose auto, {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
-def resolve_draft_quantize(mode: str, dtype: torch.dtype, device: str) -> str:
+def resolve_draft_quantize(mode: str, device: str) -> str:
     """'auto' = int8 on CPU where the kernel runs: the draft's precision changes only its guesses, never the
     output, and int8 weights make each guess about 1.6x cheaper than bf16 (int4 decodes slower on AVX2)."""
     if mode != "auto":
         return mode
     return "int8" if device == "cpu" and cpu_kernels() is not None else "none"
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def load_model(source: str, dtype: torch.dtype, device: str = "cpu",

@@ -70,7 +70,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.num_draft_tokens is not None and args.num_draft_tokens < 0:
         raise SpecdecodeError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
     prompts = load_prompts(args.dataset, args.limit, args.prompt_as_chat)
-    dtype = resolve_dtype(args.dtype, args.device, args.quantize)
+    dtype = resolve_dtype(args.dtype, args.device)
     print(f"bench: {len(prompts)} prompts, methods {', '.join(methods)}; loading models...", file=sys.stderr)
     models = load_models(args.target, args.draft, methods, dtype, args.device, args.quantize, args.draft_quantize)
     runners = build_runners(methods, models, args.num_draft_tokens, args.max_len, args.max_ngram)
@@ -105,7 +105,7 @@ def settings(args: argparse.Namespace, methods: list[str], greedy: bool, dtype: 
         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "repeats": args.repeats,
         "num_draft_tokens": args.num_draft_tokens, "max_ngram": args.max_ngram, "max_len": args.max_len,
         "prompt_as_chat": args.prompt_as_chat, "quantize": args.quantize,
-        "draft_quantize": resolve_draft_quantize(args.draft_quantize, dtype, args.device),
+        "draft_quantize": resolve_draft_quantize(args.draft_quantize, args.device),
         "peak_memory": "process RSS high-water mark (ru_maxrss): process-wide, every loaded model included"
                        if cpu else "torch.cuda.max_memory_allocated, reset before each generation",
         "hf_ttft": "time until transformers' streamer receives the first generated token",

@@ -78,7 +78,7 @@ def load_models(target: str, draft: str, methods: list[str], dtype: torch.dtype,
     if NEEDS_DRAFT & set(methods):
         check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
     if "draft" in methods:
-        models.draft, _ = load_model(draft, dtype, device, resolve_draft_quantize(draft_quantize, dtype, device))
+        models.draft, _ = load_model(draft, dtype, device, resolve_draft_quantize(draft_quantize, device))
     if any(m in HF_METHODS for m in methods):
         models.hf_target = load_hf(target, dtype, device)
     if "hf-assisted" in methods:

@@ -22,6 +22,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "attention_cpu.cpp", "bindings.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 
 
 def cpu_flags() -> list[str]:
@@ -50,7 +51,7 @@ def cpu_kernels() -> ModuleType | None:
     # One build per source version and torch version; the first build takes about a minute.
     # Built for this CPU (-march=native), so the build is keyed by its flags too; at::parallel_for needs OpenMP.
     flags = ["-O3", "-march=native", "-mavx2", "-mfma", "-funroll-loops", "-fopenmp"]
-    text = b"".join(path.read_bytes() for path in SOURCES) + f"{torch.__version__} {flags} {flags_here}".encode()
+    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {flags_here}".encode()
     key = hashlib.sha256(text).hexdigest()[:12]
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)

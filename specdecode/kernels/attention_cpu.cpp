@@ -12,20 +12,16 @@
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  return specdecode::load_bf16x8(reinterpret_cast<const uint16_t*>(p));
 }
 
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using specdecode::lane_sum;
 
 // One query row: softmax(q . k[s] * scale) over s < span, then the weighted sum of v[s], all in float32.
 template <typename T>

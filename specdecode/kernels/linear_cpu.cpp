@@ -22,7 +22,12 @@
 
 #include <algorithm>
 
+#include "simd.h"
+
 namespace {
+
+using specdecode::lane_sum;
+using specdecode::load_bf16x8;
 
 constexpr int kMaxTile = 6;
 
@@ -42,9 +47,7 @@ inline __m256 decode8(const Weights& w, int64_t n, int64_t k) {
   if constexpr (F == Format::fp32) {
     return _mm256_loadu_ps(static_cast<const float*>(w.data) + n * w.K + k);
   } else if constexpr (F == Format::bf16) {
-    const uint16_t* src = static_cast<const uint16_t*>(w.data) + n * w.K + k;
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    return load_bf16x8(static_cast<const uint16_t*>(w.data) + n * w.K + k);
   } else if constexpr (F == Format::int8) {
     const int8_t* src = static_cast<const int8_t*>(w.data) + n * w.K + k;
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
@@ -56,14 +59,6 @@ inline __m256 decode8(const Weights& w, int64_t n, int64_t k) {
     const int64_t at = n * (w.K / 32) + group;
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(w.scales[at]), _mm256_set1_ps(w.mins[at]));
   }
-}
-
-// The one fixed horizontal sum of eight lanes.
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // lanes i + (i + 4)
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                          // + (i + 2)
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));                                           // + (i + 1)
-  return _mm_cvtss_f32(s);
 }
 
 // y[m, n0 + r] for TILE activation rows and ROWS weight rows, each weight register decoded once for the tile.
