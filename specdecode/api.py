@@ -20,7 +20,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafters import DRAFTERS
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import load_model, load_tokenizer, resolve_draft_quantize, resolve_dtype
+from specdecode.loading import LoadPlan, load_model, load_tokenizer, plan_load
 from specdecode.stats import GenerationStats
 from specdecode.text import TextStream
 
@@ -58,29 +58,33 @@ class SpecDecoder:
                  max_len: int = 8192) -> None:
         self.tokenizer = tokenizer
         self.method = method
+        self.plan: LoadPlan | None = None  # how load() ran the models, for reports
         self.engine = Engine(target, drafter, num_draft_tokens, max_len)
 
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = "draft",
              num_draft_tokens: int | None = None, dtype: str = "auto", device: str = "cpu",
              max_len: int = 8192, max_ngram: int = 3, quantize: str = "none",
-             draft_quantize: str = "auto") -> SpecDecoder:
-        """`quantize` changes the target (output stays exact for the quantized target); `draft_quantize` only
-        changes how good and how cheap the guesses are, never the output. 'auto' = int4 on CPU in bfloat16."""
+             draft_quantize: str = "auto", weights: str = "auto") -> SpecDecoder:
+        """`weights` = 'auto' runs a GGUF file's quantized blocks as stored on CPU (the model llama.cpp runs),
+        'float' de-quantizes it to `dtype`. `quantize` writes a float target in blocks (q8_0, q4_k; the output
+        stays exact for that target); `draft_quantize` only changes how good and how cheap the guesses are."""
         if method not in DRAFTERS:
             raise SpecdecodeError(f"unknown method '{method}': choose one of {', '.join(DRAFTERS)}")
-        torch_dtype = resolve_dtype(dtype, device)
-        model, tokenizer = load_model(target, torch_dtype, device, quantize)
-        if method == "draft":
-            draft = draft or DEFAULT_DRAFT
+        draft = (draft or DEFAULT_DRAFT) if method == "draft" else None
+        plan = plan_load(target, draft, dtype, device, quantize, draft_quantize, weights)
+        model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
+        draft_model = None
+        if draft is not None:
             check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
-            draft_model, _ = load_model(draft, torch_dtype, device,
-                                        resolve_draft_quantize(draft_quantize, device))
-        drafter = build_drafter(method, model, draft_model if method == "draft" else None, max_ngram)
+            draft_model, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
+        drafter = build_drafter(method, model, draft_model, max_ngram)
         k = DEFAULT_NUM_DRAFT_TOKENS[method] if num_draft_tokens is None else num_draft_tokens
         if k < 0:
             raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {k}")
-        return cls(model, tokenizer, drafter, method, k, max_len)
+        decoder = cls(model, tokenizer, drafter, method, k, max_len)
+        decoder.plan = plan
+        return decoder
 
     @property
     def stats(self) -> GenerationStats:

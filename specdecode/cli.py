@@ -25,12 +25,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens per step (default per method)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization of the target (CPU kernel); output is exact for that target")
-    p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="quantization of the draft model: changes speed only, never the output "
-                        "(auto: int8 on CPU)")
+    add_weight_args(p)
     p.add_argument("--max-len", type=int, default=8192, help="context window to allocate (tokens)")
+
+
+def add_weight_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default="auto", choices=["auto", "stored", "float"],
+                   help="stored: run a GGUF file's quantized blocks as they are (CPU kernel); float: de-quantize "
+                        "to --dtype (auto: stored for GGUF files on CPU)")
+    p.add_argument("--quantize", default="none", choices=["none", "q8_0", "q4_k", "int8", "int4"],
+                   help="write a float target's weights in blocks (int8 = q8_0, int4 = q4_k); the output is "
+                        "exact for that target")
+    p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "q8_0", "q4_k", "int8", "int4"],
+                   help="blocks for a float draft model: changes speed only, never the output "
+                        "(auto: a GGUF draft as stored, a float one in q8_0 on CPU)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +54,8 @@ def load_decoder(args: argparse.Namespace):
 
     return SpecDecoder.load(args.target, draft=args.draft, method=args.method,
                             num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, device=args.device,
-                            max_len=args.max_len, quantize=args.quantize, draft_quantize=args.draft_quantize)
+                            max_len=args.max_len, quantize=args.quantize, draft_quantize=args.draft_quantize,
+                            weights=args.weights)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

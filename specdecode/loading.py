@@ -6,6 +6,8 @@ implementation, the dtype and the device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig
@@ -13,15 +15,40 @@ from specdecode.errors import SpecdecodeError
 from specdecode.hf_model import HFModel
 from specdecode.kernels import cpu_flags, cpu_kernels
 from specdecode.model import Transformer, rope_inv_freq
-from specdecode.quantize import quantize_
-from specdecode.weights import load_checkpoint, load_tokenizer  # noqa: F401  (load_tokenizer: re-exported)
+from specdecode.quantize import apply_packed_, quantize_, resolve_mode
+from specdecode.weights import load_checkpoint, load_tokenizer, resolve_source  # noqa: F401  (re-exported)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+WEIGHT_FORMS = ("auto", "stored", "float")
 
 
-def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+def resolve_weights(form: str, source: str, device: str = "cpu", quantize: str = "none") -> str:
+    """'stored': a GGUF file's blocks run as they are on the integer kernel; 'float': de-quantized to --dtype.
+    'auto' = stored for a GGUF source on a CPU where the kernel runs (unless --quantize asks for other blocks)."""
+    if form not in WEIGHT_FORMS:
+        raise SpecdecodeError(f"unknown weights form '{form}': choose one of {', '.join(WEIGHT_FORMS)}")
+    is_gguf = resolve_source(source).is_file()
+    if form == "stored":
+        if resolve_mode(quantize) != "none":
+            raise SpecdecodeError("--weights stored runs the file's own blocks; --quantize needs --weights float")
+        if not is_gguf:
+            raise SpecdecodeError(f"--weights stored needs a GGUF file; {source} is a float checkpoint")
+        if device != "cpu" or cpu_kernels() is None:
+            raise SpecdecodeError("--weights stored runs on specdecode's CPU kernel (x86-64 with AVX2 and a C++ "
+                                  "compiler); use --weights float here")
+        return form
+    if form == "auto":
+        runs = is_gguf and device == "cpu" and resolve_mode(quantize) == "none" and cpu_kernels() is not None
+        return "stored" if runs else "float"
+    return form
+
+
+def resolve_dtype(name: str, device: str = "cpu", weights: str = "float") -> torch.dtype:
     """'auto' is bfloat16 where bf16 weights are fast: CUDA, and CPUs where specdecode's kernel runs (it reads
-    bf16 weights, half the bytes of float32, and accumulates in float32) or that have AVX-512 BF16 / AMX."""
+    bf16 weights, half the bytes of float32, and accumulates in float32) or that have AVX-512 BF16 / AMX.
+    With weights as stored the dtype is that of activations and KV cache: 'auto' = float32, as llama.cpp."""
+    if name == "auto" and weights == "stored":
+        return torch.float32
     if name == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -32,17 +59,47 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_draft_quantize(mode: str, device: str) -> str:
-    """'auto' = int8 on CPU where the kernel runs: the draft's precision changes only its guesses, never the
-    output, and int8 weights make each guess about 1.6x cheaper than bf16 (int4 decodes slower on AVX2)."""
+def resolve_draft_quantize(mode: str, device: str, weights: str = "float") -> str:
+    """'auto' = q8_0 for a float draft on CPU where the kernel runs: the draft's precision changes only its
+    guesses, never the output, and 8-bit blocks make each guess cheaper; a GGUF draft runs as stored."""
     if mode != "auto":
-        return mode
-    return "int8" if device == "cpu" and cpu_kernels() is not None else "none"
+        return resolve_mode(mode)
+    return "q8_0" if weights == "float" and device == "cpu" and cpu_kernels() is not None else "none"
 
 
-def load_model(source: str, dtype: torch.dtype, device: str = "cpu",
-               quantize: str = "none") -> tuple[torch.nn.Module, object]:
-    """-> (model with the engine's forward contract, tokenizer); `quantize` = none, int8 or int4 weights."""
+@dataclass(frozen=True)
+class LoadPlan:
+    """How the target and the draft will run, decided once from the user's options (API, CLI and bench alike)."""
+
+    dtype: torch.dtype  # activations and KV cache (and float weights)
+    weights: str  # the target's: 'stored' (GGUF blocks as they are) or 'float'
+    quantize: str  # the target's blocks written from float weights: none, q8_0 or q4_k
+    draft_weights: str
+    draft_quantize: str
+
+    def describe(self) -> str:
+        target = "as stored" if self.weights == "stored" else self.quantize if self.quantize != "none" else "float"
+        draft = "as stored" if self.draft_weights == "stored" else self.draft_quantize
+        return f"target weights {target}, draft weights {draft}, {str(self.dtype).removeprefix('torch.')} activations"
+
+
+def plan_load(target: str, draft: str | None, dtype: str = "auto", device: str = "cpu", quantize: str = "none",
+              draft_quantize: str = "auto", weights: str = "auto") -> LoadPlan:
+    """The target's form decides the dtype: weights as stored run with float32 activations (as llama.cpp does),
+    float weights in --dtype. A GGUF draft runs as stored whenever the kernel runs (its precision changes only
+    the guesses, never the output)."""
+    target_form = resolve_weights(weights, target, device, quantize)
+    draft_form = resolve_weights("auto", draft, device) if draft else "float"
+    return LoadPlan(resolve_dtype(dtype, device, target_form), target_form, resolve_mode(quantize), draft_form,
+                    resolve_draft_quantize(draft_quantize, device, draft_form))
+
+
+def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: str = "none",
+               weights: str = "float") -> tuple[torch.nn.Module, object]:
+    """-> (model with the engine's forward contract, tokenizer). `weights` = 'stored' runs a GGUF file's blocks
+    as they are (resolve_weights); `quantize` = none, q8_0 or q4_k blocks written from the float weights."""
+    if weights == "stored":
+        return _stored(resolve_source(source), dtype)
     ckpt = load_checkpoint(source, dtype)
     if ckpt.config.get("model_type") in NATIVE_MODEL_TYPES:
         # Every linear layer on the CPU kernel (where it runs), so verify forwards are cheap and exact.
@@ -63,6 +120,30 @@ def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str) -
         raise SpecdecodeError(f"checkpoint lacks {len(missing)} weights (first: {missing[0]}): the file is incomplete")
     model.inv_freq = rope_inv_freq(config)  # buffers built on the meta device hold no values
     return model.to(device).eval()
+
+
+def _stored(gguf, dtype: torch.dtype) -> tuple[Transformer, object]:
+    from specdecode.gguf_stored import load_stored
+
+    ckpt = load_stored(gguf)
+    if ckpt.config.get("model_type") not in NATIVE_MODEL_TYPES:
+        raise SpecdecodeError(f"{gguf.name}: weights as stored run on the native llama-family model only; "
+                              "use --weights float for this architecture")
+    config = ModelConfig.from_hf(ckpt.config)
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_state_dict({name: t.to(dtype) for name, t in ckpt.floats.items()}, strict=False, assign=True)
+    packed = dict(ckpt.packed)
+    if "lm_head.weight" not in packed and "lm_head.weight" not in ckpt.floats:  # tied: the output matrix is the
+        if "model.embed_tokens.weight" in packed:  # embedding, in whichever form the file stores it
+            packed["lm_head.weight"] = packed["model.embed_tokens.weight"]
+        else:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    apply_packed_(model, packed)
+    if missing := [name for name, p in model.named_parameters() if p.is_meta]:
+        raise SpecdecodeError(f"{gguf.name} lacks {len(missing)} weights (first: {missing[0]}): the file is incomplete")
+    model.inv_freq = rope_inv_freq(config)
+    return model.eval(), ckpt.tokenizer
 
 
 def _transformers(hf_config: dict, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -165,12 +165,12 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+    def dtype(self) -> torch.dtype:  # of activations and the KV cache (the embedding may be in blocks)
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config

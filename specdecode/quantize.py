@@ -1,13 +1,14 @@
-"""Weight formats for CPU linear layers, applied from outside the model (`quantize_(model, "int4")`).
+"""CPU linear layers on specdecode's kernels, applied from outside the model (`quantize_(model, "q4_k")`).
 
 Decoding is memory-bound: every token reads every weight, so fewer bytes per weight is more tokens per second.
-On CPU every linear layer runs through the native kernel (`kernels/linear_cpu.cpp`) with its weights stored as
-  none: the model's own dtype (float32 or bfloat16, no copy)
-  int8: symmetric, one scale per output row
-  int4: asymmetric groups of 32 along the input (scale and min per group, the form of GGUF's Q4_K blocks)
-The kernel keeps a verify forward over k + 1 tokens nearly as cheap as a one-token forward and computes every row
-exactly as a one-token forward would, so speculation is lossless relative to the target as quantized here.
-Without the kernel (CUDA, CPUs without AVX2) `none` keeps PyTorch's nn.Linear and int8/int4 are refused.
+On CPU every linear layer runs on a native kernel:
+  float weights (`none`): kernels/linear_cpu.cpp, the model's own float32 or bfloat16, no copy;
+  block-quantized weights: kernels/quant_cpu.cpp, GGUF's block types (blocks.py) against activations quantized
+    per row to int8, integer dot products. A GGUF file's blocks run as stored (`apply_packed_`); a float
+    checkpoint is written in Q8_0 or Q4_K by `--quantize` (`int8`, `int4` are older names for them).
+Both kernels keep a verify forward over k + 1 tokens nearly as cheap as a one-token forward and compute every
+row exactly as a one-token forward would, so speculation is lossless relative to the target as run.
+Without the kernels (CUDA, CPUs without AVX2) `none` keeps PyTorch's nn.Linear and quantization is refused.
 """
 
 from __future__ import annotations
@@ -15,81 +16,112 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdecode.blocks import PackedWeight, quantize_float
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
 
-MODES = ("none", "int8", "int4")
-GROUP = 32  # int4 group size along the input dimension
+MODES = ("none", "q8_0", "q4_k")
+SUPERBLOCK = {"q8_0": 32, "q4_k": 256}  # the input dimension must be a whole number of these
+ALIASES = {"int8": "q8_0", "int4": "q4_k"}
 
 
 class KernelLinear(nn.Module):
-    """nn.Linear on the native CPU kernel; activations of any float dtype, float32 accumulation."""
+    """nn.Linear with float32 or bfloat16 weights on the float kernel; float32 accumulation."""
 
-    def __init__(self, linear: nn.Linear, mode: str, kernels) -> None:
+    def __init__(self, linear: nn.Linear, kernels) -> None:
         super().__init__()
         self.bias = linear.bias
-        weight = linear.weight.detach()  # [out, in]
-        if mode == "none":
-            self.format = "fp32" if weight.dtype == torch.float32 else "bf16"
-            self.weight = linear.weight  # the same Parameter: tied embeddings stay tied, nothing is copied
-            self.tensor_names = ("weight",)
-        elif mode == "int8":
-            self.format = "int8"
-            w = weight.float()
-            scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127  # [out]
-            self.register_buffer("weight_q", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
-            self.register_buffer("scales", scales)
-            self.tensor_names = ("weight_q", "scales")
-        else:
-            self.format = "int4"
-            packed, scales, mins = pack_int4(weight.float())
-            self.register_buffer("weight_q", packed)
-            self.register_buffer("scales", scales)
-            self.register_buffer("mins", mins)
-            self.tensor_names = ("weight_q", "scales", "mins")
-        self.linear = getattr(kernels, f"linear_{self.format}")
+        self.weight = linear.weight  # the same Parameter: tied embeddings stay tied, nothing is copied
+        self.linear = kernels.linear_fp32 if self.weight.dtype == torch.float32 else kernels.linear_bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        weights = [getattr(self, name) for name in self.tensor_names]
-        out = self.linear(x.reshape(-1, shape[-1]).float().contiguous(), *weights)  # [M, out] float32
-        out = out.view(*shape[:-1], -1).to(x.dtype)
+        out = self.linear(x.reshape(-1, x.shape[-1]).float().contiguous(), self.weight)  # [M, out] float32
+        out = out.view(*x.shape[:-1], -1).to(x.dtype)
         return out + self.bias if self.bias is not None else out
 
 
-def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[out, in] float32 -> (packed uint8 [out, in / 2], scales [out, in / 32], mins [out, in / 32]) with
-    w ~= q * scale + min, q in 0..15. In each group byte j holds q[j] (low nibble) and q[j + 16] (high)."""
-    out_features, in_features = w.shape
-    groups = w.view(out_features, in_features // GROUP, GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
-    scale = (high - low).clamp_min(1e-8) / 15
-    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-    packed = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)  # [out, groups, 16]
-    return packed.reshape(out_features, in_features // 2).contiguous(), scale.contiguous(), low.contiguous()
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is a PackedWeight, on the integer kernel."""
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, kernels) -> None:
+        super().__init__()
+        self.packed = packed
+        self.bias = bias
+        self.kernels = kernels
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.packed.format
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()  # [M, in]
+        out = self.kernels.linear_quant(x2, *self.packed.tensors(), f.bits, f.superblock, f.group)  # [M, out]
+        out = out.view(*x.shape[:-1], -1).to(x.dtype)
+        return out + self.bias if self.bias is not None else out
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings kept in blocks: only the looked-up rows are de-quantized."""
+
+    def __init__(self, packed: PackedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.packed = packed
+        self.dtype = dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.packed.rows(tokens.reshape(-1)).dequantize()  # [B * T, d]
+        return rows.view(*tokens.shape, -1).to(self.dtype)
+
+
+def resolve_mode(mode: str) -> str:
+    mode = ALIASES.get(mode, mode)
+    if mode not in MODES:
+        choices = ", ".join(MODES + tuple(ALIASES))
+        raise SpecdecodeError(f"unknown quantization '{mode}': choose one of {choices}")
+    return mode
 
 
 def quantize_(model: nn.Module, mode: str) -> nn.Module:
-    """Put every nn.Linear of a CPU `model` on the native kernel, in `mode`'s weight format, in place."""
-    if mode not in MODES:
-        raise SpecdecodeError(f"unknown quantization '{mode}': choose one of {', '.join(MODES)}")
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    kernels = cpu_kernels() if on_cpu else None
+    """Put every nn.Linear of a CPU `model` on a native kernel, in `mode`'s weight format, in place."""
+    mode = resolve_mode(mode)
+    kernels = _kernels_for(model, mode)
     if kernels is None:
-        if mode == "none":
-            return model
-        where = "this CPU (it needs AVX2, FMA and a C++ compiler)" if on_cpu else "CUDA"
-        raise SpecdecodeError(f"--quantize {mode} uses specdecode's CPU kernel, which is not available on {where}")
+        return model
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and supported(child, mode):
-                setattr(parent, name, KernelLinear(child, mode, kernels))
+            if not isinstance(child, nn.Linear):
+                continue
+            in_features = child.weight.shape[1]
+            if mode != "none" and in_features % SUPERBLOCK[mode] == 0:
+                packed = quantize_float(child.weight, mode)
+                setattr(parent, name, QuantLinear(packed, child.bias, kernels))
+            elif child.weight.dtype in (torch.float32, torch.bfloat16) and in_features % 8 == 0:
+                setattr(parent, name, KernelLinear(child, kernels))  # odd shapes stay float
     return model
 
 
-def supported(linear: nn.Linear, mode: str) -> bool:
-    """The kernel reads the input dimension 8 floats (int4: a 32-wide group) at a time and stores float32 or
-    bfloat16 as they are; other shapes and dtypes keep nn.Linear."""
-    if mode == "none" and linear.weight.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    return linear.weight.shape[1] % (GROUP if mode == "int4" else 8) == 0
+def apply_packed_(model: nn.Module, packed: dict[str, PackedWeight]) -> nn.Module:
+    """Replace the linear layers and embedding named in `packed` (HF parameter names, '.weight' included)
+    by their block-quantized forms; every other linear goes on the float kernel. In place."""
+    kernels = _kernels_for(model, "stored")
+    modules = dict(model.named_modules())
+    for name, weight in packed.items():
+        owner, _, leaf = name.rpartition(".")
+        parent_name, _, child_name = owner.rpartition(".")
+        module = modules[owner]
+        if isinstance(module, nn.Embedding):
+            replacement: nn.Module = QuantEmbedding(weight, model.dtype)
+        else:
+            replacement = QuantLinear(weight, module.bias, kernels)
+        setattr(modules[parent_name] if parent_name else model, child_name, replacement)
+    return quantize_(model, "none")
+
+
+def _kernels_for(model: nn.Module, mode: str):
+    on_cpu = not any(p.is_cuda for p in model.parameters())
+    kernels = cpu_kernels() if on_cpu else None
+    if kernels is None and mode != "none":
+        where = "this CPU (it needs AVX2, FMA and a C++ compiler)" if on_cpu else "CUDA"
+        raise SpecdecodeError(f"{mode} weights run on specdecode's CPU kernel, which is not available on {where}")
+    return kernels

@@ -88,7 +88,7 @@ def load_tokenizer(source: str, cache: Path | None = None) -> PreTrainedTokenize
     if path.is_dir():
         return read_tokenizer(path)
     converted = _converted_folders(path, cache)
-    return read_tokenizer(converted[0]) if converted else _gguf_tokenizer(path)
+    return read_tokenizer(converted[0]) if converted else gguf_tokenizer(path)
 
 
 def resolve_source(source: str, cache: Path | None = None, need_weights: bool = True) -> Path:
@@ -111,7 +111,7 @@ def resolve_source(source: str, cache: Path | None = None, need_weights: bool = 
 
 def converted_dir(gguf: Path, dtype: torch.dtype, cache: Path | None = None) -> Path:
     """Where the converted HF folder for this GGUF file and dtype lives (or will)."""
-    return (cache or hub.cache_dir()) / "converted" / f"{_conversion_prefix(gguf)}{_dtype_name(dtype)}"
+    return (cache or hub.cache_dir()) / "converted" / f"{conversion_prefix(gguf)}{_dtype_name(dtype)}"
 
 
 def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype) -> None:
@@ -119,26 +119,39 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype) -> None:
     # Imported here: the legacy GGUF loader pulls in the gguf package, which folder sources never need.
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    parsed = _guard_gguf(gguf, functools.partial(load_gguf_checkpoint, str(gguf), return_tensors=False))
-    # GGUF stores floats as float32; print them as the decimal they came from (9.99999997e-07 -> 1e-06).
-    hf = {k: _f32_decimal(v) for k, v in parsed["config"].items() if not k.startswith("_")}
-    config = AutoConfig.for_model(**hf)
-    with torch.device("meta"):  # only the parameter names are needed, to map GGUF tensor names onto them
-        skeleton = AutoModelForCausalLM.from_config(config)
-    config.architectures = [type(skeleton).__name__]
+    config, skeleton = gguf_config(gguf)
     config.dtype = dtype
     load = functools.partial(load_gguf_checkpoint, str(gguf), True, model_to_load=skeleton, torch_dtype=dtype)
-    tensors = _guard_gguf(gguf, load)["tensors"]
+    tensors = guard_gguf(gguf, load)["tensors"]
     expected = set(skeleton.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing := sorted(expected - set(tensors)):
         raise SpecdecodeError(f"{gguf} lacks {len(missing)} tensors (first: {missing[0]}); the file is incomplete")
-    tokenizer = _gguf_tokenizer(gguf)
+    write_folder(out, config, tensors, gguf_tokenizer(gguf))
 
+
+def gguf_config(gguf: Path) -> tuple[Any, torch.nn.Module]:
+    """The HF config a GGUF file's metadata describes, and a meta-device model of it (for parameter names)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    parsed = guard_gguf(gguf, functools.partial(load_gguf_checkpoint, str(gguf), return_tensors=False))
+    # GGUF stores floats as float32; print them as the decimal they came from (9.99999997e-07 -> 1e-06).
+    hf = {k: _f32_decimal(v) for k, v in parsed["config"].items() if not k.startswith("_")}
+    config = AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]
+    return config, skeleton
+
+
+def write_folder(out: Path, config: Any, tensors: dict[str, Tensor], tokenizer: PreTrainedTokenizerBase,
+                 metadata: dict[str, str] | None = None) -> None:
+    """An HF-style folder (config, model.safetensors, tokenizer) written to `out` atomically."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         config.save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors", {"format": "pt"})
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(tensors, tmp / "model.safetensors", {"format": "pt", **(metadata or {})})
         tokenizer.save_pretrained(tmp)
         _make_shareable(tmp)
         os.rename(tmp, out)
@@ -215,7 +228,7 @@ def _check_gguf_magic(path: Path) -> None:
             raise SpecdecodeError(f"{path} is neither a model folder nor a GGUF file (no GGUF magic bytes)")
 
 
-def _guard_gguf(gguf: Path, read: Callable[[], T]) -> T:
+def guard_gguf(gguf: Path, read: Callable[[], T]) -> T:
     # gguf-py reports a damaged file from deep inside numpy (reshape, struct); say what it means instead.
     try:
         return read()
@@ -226,11 +239,11 @@ def _guard_gguf(gguf: Path, read: Callable[[], T]) -> T:
         ) from exc
 
 
-def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
+def gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
     from transformers.integrations.gguf import read_gguf_metadata
 
-    metadata, _ = _guard_gguf(gguf, functools.partial(read_gguf_metadata, str(gguf)))
-    tokenizer = _guard_gguf(gguf, functools.partial(AutoTokenizer.from_pretrained, gguf.parent, gguf_file=gguf.name))
+    metadata, _ = guard_gguf(gguf, functools.partial(read_gguf_metadata, str(gguf)))
+    tokenizer = guard_gguf(gguf, functools.partial(AutoTokenizer.from_pretrained, gguf.parent, gguf_file=gguf.name))
     template = metadata.get("tokenizer.chat_template")
     if template and not tokenizer.chat_template:  # keep the chat template whichever transformers version runs
         tokenizer.chat_template = template
@@ -244,7 +257,7 @@ def _make_shareable(folder: Path) -> None:
         file.chmod(0o644)
 
 
-def _conversion_prefix(gguf: Path) -> str:
+def conversion_prefix(gguf: Path) -> str:
     # Size + mtime identify the file without hashing a gigabyte; a replaced file gets a fresh folder.
     stat = gguf.stat()
     key = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
@@ -253,7 +266,7 @@ def _conversion_prefix(gguf: Path) -> str:
 
 def _converted_folders(gguf: Path, cache: Path | None) -> list[Path]:
     root = (cache or hub.cache_dir()) / "converted"
-    prefix = _conversion_prefix(gguf)
+    prefix = conversion_prefix(gguf)
     return sorted(p for p in root.iterdir() if p.name.startswith(prefix)) if root.is_dir() else []
 
 

@@ -68,6 +68,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+# Every method but llama.cpp's, which run GGUF files only (tested on a real one in test_e2e_stored.py).
+METHODS = [m for m in all_methods() if not m.startswith("llamacpp")]
+
+
 def _args(root: Path, *extra: str) -> list[str]:
     return ["bench", "--dataset", str(root / "mixed.jsonl"), "--target", str(root / "target"), "--draft",
             str(root / "draft"), "--dtype", "float32", "--max-new-tokens", str(MAX_NEW), "--no-progress", *extra]
@@ -76,7 +80,7 @@ def _args(root: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def bench_run(folders: Path) -> tuple[dict, str, Path]:
     out = folders / "out" / "run.json"
-    code, stdout = _main(_args(folders, "--methods", ",".join(all_methods()), "--num-draft-tokens", "3",
+    code, stdout = _main(_args(folders, "--methods", ",".join(METHODS), "--num-draft-tokens", "3",
                                "--json", str(out)))
     assert code == 0
     return json.loads(out.read_text()), stdout, out
@@ -85,7 +89,7 @@ def bench_run(folders: Path) -> tuple[dict, str, Path]:
 def test_every_method_runs_and_json_has_the_schema(bench_run) -> None:
     report, _, _ = bench_run
     assert report["schema_version"] == 1
-    assert list(report["methods"]) == all_methods()
+    assert list(report["methods"]) == METHODS
     assert set(report["categories"]) == {"mixed", "writing"} and report["datasets"] == ["mixed"]
     for key in ("command", "cpu", "cpu_cores", "torch", "torch_threads", "date", "git_commit"):
         assert key in report["machine"]
@@ -105,7 +109,7 @@ def test_every_method_runs_and_json_has_the_schema(bench_run) -> None:
     draft = report["methods"]["draft"]
     assert draft["num_draft_tokens"] == 3 and 0 <= draft["acceptance_rate"] <= 1
     assert 1 <= len(draft["acceptance_per_position"]) <= 3  # adaptive: an unsure draft stops early
-    assert len(report["runs"]) == len(ROWS) * len(all_methods())
+    assert len(report["runs"]) == len(ROWS) * len(METHODS)
     for run in report["runs"]:
         for turn in run["turns"]:
             assert 1 <= turn["new_tokens"] == len(turn["token_ids"]) <= MAX_NEW
@@ -195,3 +199,9 @@ def test_sampling_with_repeats_skips_the_token_check(folders: Path) -> None:
 def test_bad_method_fails_before_loading(folders: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "--dataset", str(folders / "mixed.jsonl"), "--methods", "none,nope"]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+
+
+def test_llamacpp_needs_a_gguf_target_and_says_so(folders: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(_args(folders, "--methods", "llamacpp", "--limit", "1")) == 2
+    err = capsys.readouterr().err
+    assert "llama-cpp-python" in err or "GGUF" in err

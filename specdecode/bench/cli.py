@@ -22,13 +22,12 @@ from specdecode.bench.harness import run_bench
 from specdecode.bench.loaders import (
     BenchModels, all_methods, build_runners, load_models, num_draft_tokens, parse_methods, weights_bytes,
 )  # fmt: skip
-from specdecode.loading import resolve_draft_quantize
 from specdecode.bench.machine import command_line, machine_info
 from specdecode.bench.report import build_report, markdown
-from specdecode.cli import add_sampling_args, sampling_params
+from specdecode.cli import add_sampling_args, add_weight_args, sampling_params
 from specdecode.drafters import DRAFTERS
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import resolve_dtype
+from specdecode.loading import LoadPlan, plan_load
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,10 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for draft and hf-assisted")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization of our target (transformers' stays unquantized)")
-    p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="quantization of our draft model (auto: int4 on CPU in bfloat16, as generate does)")
+    add_weight_args(p)
     p.add_argument("--max-len", type=int, default=8192, help="context window to allocate (tokens)")
     p.add_argument("--max-ngram", type=int, default=3, help="longest n-gram for ngram and hf-pld")
     p.add_argument("--prompt-as-chat", action="store_true",
@@ -70,9 +66,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.num_draft_tokens is not None and args.num_draft_tokens < 0:
         raise SpecdecodeError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
     prompts = load_prompts(args.dataset, args.limit, args.prompt_as_chat)
-    dtype = resolve_dtype(args.dtype, args.device)
-    print(f"bench: {len(prompts)} prompts, methods {', '.join(methods)}; loading models...", file=sys.stderr)
-    models = load_models(args.target, args.draft, methods, dtype, args.device, args.quantize, args.draft_quantize)
+    draft = args.draft if "draft" in methods else None
+    plan = plan_load(args.target, draft, args.dtype, args.device, args.quantize, args.draft_quantize, args.weights)
+    print(f"bench: {len(prompts)} prompts, methods {', '.join(methods)}; {plan.describe()}; loading models...",
+          file=sys.stderr)
+    models = load_models(args.target, args.draft, methods, plan, args.device)
     runners = build_runners(methods, models, args.num_draft_tokens, args.max_len, args.max_ngram)
     encoder = SpecDecoder(models.target, models.tokenizer, DRAFTERS["none"](), "none", 0, args.max_len)
 
@@ -82,7 +80,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     runs = run_bench(prompts, runners, encoder.encode, decode, params, args.repeats, args.device,
                      progress=not args.no_progress)
     report = build_report(runs, method_facts(methods, models, runners, args.num_draft_tokens),
-                          settings(args, methods, params.greedy, dtype),
+                          settings(args, methods, params.greedy, plan),
                           machine_info(args.device, command_line()), params.greedy)
     print(markdown(report))
     if args.json:
@@ -96,16 +94,16 @@ def method_facts(methods: list[str], models: BenchModels, runners: dict[str, Any
                 "weights_bytes": weights_bytes(m, models)} for m in methods}
 
 
-def settings(args: argparse.Namespace, methods: list[str], greedy: bool, dtype: torch.dtype) -> dict[str, Any]:
+def settings(args: argparse.Namespace, methods: list[str], greedy: bool, plan: LoadPlan) -> dict[str, Any]:
     cpu = not args.device.startswith("cuda")
     return {
         "datasets": list(args.dataset), "limit": args.limit, "methods": methods,
-        "target": args.target, "draft": args.draft, "dtype": str(dtype).removeprefix("torch."), "device": args.device,
+        "target": args.target, "draft": args.draft, "dtype": str(plan.dtype).removeprefix("torch."), "device": args.device,
         "max_new_tokens": args.max_new_tokens, "greedy": greedy, "temperature": args.temperature,
         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "repeats": args.repeats,
         "num_draft_tokens": args.num_draft_tokens, "max_ngram": args.max_ngram, "max_len": args.max_len,
-        "prompt_as_chat": args.prompt_as_chat, "quantize": args.quantize,
-        "draft_quantize": resolve_draft_quantize(args.draft_quantize, args.device),
+        "prompt_as_chat": args.prompt_as_chat, "weights": plan.weights, "quantize": plan.quantize,
+        "draft_weights": plan.draft_weights, "draft_quantize": plan.draft_quantize, "threads": torch.get_num_threads(),
         "peak_memory": "process RSS high-water mark (ru_maxrss): process-wide, every loaded model included"
                        if cpu else "torch.cuda.max_memory_allocated, reset before each generation",
         "hf_ttft": "time until transformers' streamer receives the first generated token",

@@ -7,12 +7,15 @@ same dtype and on the same device:
   hf           plain greedy/sampled `generate`
   hf-assisted  `assistant_model` = the draft checkpoint, up to k tokens per step, our confidence cut-off
   hf-pld       `prompt_lookup_num_tokens` = k, n-grams up to `max_ngram` (prompt lookup decoding)
-Their k defaults to that of the method of ours they mirror, so both sides speculate alike.
+and llama.cpp on the same GGUF file, its blocks as stored (bench/llamacpp.py): `llamacpp`, `llamacpp-lookup`.
+Their k defaults to that of the method of ours they mirror, so both sides speculate alike. transformers runs
+the float checkpoint in our dtype, or in bfloat16 when our target runs a GGUF file's blocks as stored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,21 +23,24 @@ import torch
 from specdecode.api import (
     DEFAULT_NUM_DRAFT_TOKENS, DRAFT_MIN_CONFIDENCE, SpecDecoder, build_drafter, check_same_tokenizer,
 )  # fmt: skip
+from specdecode.bench.llamacpp import METHODS as LLAMACPP_METHODS
+from specdecode.bench.llamacpp import LlamaCppRunner, import_llama_cpp
 from specdecode.bench.runners import HFRunner, Runner, SpecRunner
 from specdecode.drafters import DRAFTERS
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import load_model, load_tokenizer, resolve_draft_quantize
-from specdecode.weights import load_checkpoint
+from specdecode.loading import LoadPlan, load_model, load_tokenizer
+from specdecode.weights import load_checkpoint, resolve_source
 
 BASELINE = "none"
 # Reference methods -> the method of ours they mirror (its default k), None for plain decoding.
 HF_METHODS: dict[str, str | None] = {"hf": None, "hf-assisted": "draft", "hf-pld": "ngram"}
+MIRRORS = HF_METHODS | {"llamacpp": None, "llamacpp-lookup": "ngram"}
 NEEDS_DRAFT = {"draft", "hf-assisted"}
 FALLBACK_NUM_DRAFT_TOKENS = 4  # for drafters registered without a tuned default
 
 
 def all_methods() -> list[str]:
-    return list(DRAFTERS) + list(HF_METHODS)
+    return list(DRAFTERS) + list(HF_METHODS) + list(LLAMACPP_METHODS)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -47,7 +53,7 @@ def parse_methods(text: str) -> list[str]:
 
 
 def num_draft_tokens(method: str, override: int | None) -> int:
-    mirrored = HF_METHODS.get(method, method)
+    mirrored = MIRRORS.get(method, method)
     if mirrored is None or mirrored == BASELINE:
         return 0
     if override is not None:
@@ -62,27 +68,33 @@ class BenchModels:
     draft: torch.nn.Module | None = None
     hf_target: torch.nn.Module | None = None  # transformers CausalLM on the same files
     hf_draft: torch.nn.Module | None = None
+    target_gguf: Path | None = None  # the file llama.cpp runs
 
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self.target.config.eos_token_ids)
 
 
-def load_models(target: str, draft: str, methods: list[str], dtype: torch.dtype, device: str,
-                quantize: str = "none", draft_quantize: str = "auto") -> BenchModels:
-    """Our models as SpecDecoder.load builds them (quantized if asked); transformers' always unquantized."""
-    model, tokenizer = load_model(target, dtype, device, quantize)
+def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, device: str) -> BenchModels:
+    """Our models as SpecDecoder.load builds them (`plan`); transformers' always unquantized."""
+    model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
     if tokenizer is None:
         raise SpecdecodeError(f"target '{target}' ships no tokenizer; the benchmark needs one to encode prompts")
     models = BenchModels(model, tokenizer)
     if NEEDS_DRAFT & set(methods):
         check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
     if "draft" in methods:
-        models.draft, _ = load_model(draft, dtype, device, resolve_draft_quantize(draft_quantize, device))
+        models.draft, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
+    hf_dtype = torch.bfloat16 if plan.weights == "stored" else plan.dtype
     if any(m in HF_METHODS for m in methods):
-        models.hf_target = load_hf(target, dtype, device)
+        models.hf_target = load_hf(target, hf_dtype, device)
     if "hf-assisted" in methods:
-        models.hf_draft = load_hf(draft, dtype, device)
+        models.hf_draft = load_hf(draft, hf_dtype, device)
+    if set(LLAMACPP_METHODS) & set(methods):
+        import_llama_cpp()  # fail before the long runs when it is missing
+        models.target_gguf = resolve_source(target)
+        if not models.target_gguf.is_file():
+            raise SpecdecodeError(f"llama.cpp runs GGUF files; target '{target}' is a float checkpoint")
     return models
 
 
@@ -100,6 +112,8 @@ def build_runners(methods: list[str], models: BenchModels, override_k: int | Non
         k = num_draft_tokens(method, override_k)
         if method in HF_METHODS:
             runners[method] = HFRunner(models.hf_target, models.eos_token_ids, hf_options(method, models, k, max_ngram))
+        elif method in LLAMACPP_METHODS:
+            runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, max_len, k, max_ngram)
         else:
             drafter = build_drafter(method, models.target, models.draft, max_ngram)
             decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len)
@@ -123,6 +137,8 @@ def hf_options(method: str, models: BenchModels, k: int, max_ngram: int) -> dict
 def weights_bytes(method: str, models: BenchModels) -> int:
     """Bytes of the weights a method reads (target plus draft), tied tensors counted once; buffers are included
     because quantized layers keep their weights there."""
+    if method in LLAMACPP_METHODS:
+        return models.target_gguf.stat().st_size
     if method in HF_METHODS:
         used = [models.hf_target] + ([models.hf_draft] if method == "hf-assisted" else [])
     else:

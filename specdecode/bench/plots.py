@@ -27,7 +27,7 @@ def write_plots(report: dict[str, Any], json_path: Path) -> list[Path]:
 
 def _speedup(plt, report: dict[str, Any]):
     methods = report["methods"]
-    bases = [b for b in ("none", "hf") if b in methods]
+    bases = [b for b in ("none", "hf", "llamacpp") if b in methods]
     groups = report["categories"] + ["overall"]
     width_in = max(6.0, 0.35 * len(groups) * len(methods))
     figure, axes = plt.subplots(len(bases), 1, figsize=(width_in, 3.6 * len(bases)), squeeze=False)

@@ -13,7 +13,8 @@ from specdecode.bench.harness import ORDER_NOTE, Run
 from specdecode.bench.metrics import add_speedups, find_mismatches, summarize
 
 SCHEMA_VERSION = 1
-BASES = ("none", "hf")  # speedups are reported against both
+BASES = ("none", "hf", "llamacpp")  # speedups are reported against each that ran
+REFERENCES = ("hf", "llamacpp")  # other engines: greedy outputs are compared with theirs too (expect near-equal)
 MAX_LISTED = 10  # mismatches printed under the table (the JSON lists all)
 
 
@@ -53,16 +54,18 @@ def _unique(runs: list[Run], attr: str) -> list[str]:
 
 def _lossless(runs: list[Run], name: str, names: list[str], greedy: bool) -> dict[str, Any]:
     # Under sampling outputs are draws from the same distribution, not equal sequences: nothing to compare.
+    result: dict[str, Any] = {"lossless": None, "mismatches": []}
+    for ref in REFERENCES:
+        result |= {f"matches_{ref}": None, f"mismatches_vs_{ref}": []}
     if not greedy:
-        return {"lossless": None, "mismatches": [], "matches_hf": None, "mismatches_vs_hf": []}
-    vs_none = find_mismatches(runs, name, "none") if name != "none" else []
-    vs_hf = find_mismatches(runs, name, "hf") if "hf" in names and name != "hf" else []
-    return {
-        "lossless": not vs_none,
-        "mismatches": [m.to_dict() for m in vs_none],
-        "matches_hf": (not vs_hf) if "hf" in names else None,
-        "mismatches_vs_hf": [m.to_dict() for m in vs_hf],
-    }
+        return result
+    result["mismatches"] = [m.to_dict() for m in find_mismatches(runs, name, "none")] if name != "none" else []
+    result["lossless"] = not result["mismatches"]
+    for ref in REFERENCES:
+        if ref in names:
+            found = find_mismatches(runs, name, ref) if name != ref else []
+            result |= {f"matches_{ref}": not found, f"mismatches_vs_{ref}": [m.to_dict() for m in found]}
+    return result
 
 
 def _run_record(run: Run) -> dict[str, Any]:
@@ -96,20 +99,22 @@ def markdown(report: dict[str, Any]) -> str:
         f"sampling (temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']}, seed {s.get('seed')})")
     quantized = "".join(f", {who} {s[key]}" for who, key in (("target", "quantize"), ("draft", "draft_quantize"))
                         if s.get(key, "none") != "none")
+    stored = ", weights as stored" if s.get("weights") == "stored" else ""
+    bases = [b for b in BASES if b in methods]
     lines = [
-        f"## specdecode bench: {s['target']} (draft {s['draft']}), {s['dtype']} on {s['device']}{quantized}",
+        f"## specdecode bench: {s['target']} (draft {s['draft']}), {s['dtype']} on {s['device']}{stored}{quantized}",
         "",
         f"{mode}, max {s['max_new_tokens']} new tokens, {_count(report)} prompts x {s['repeats']} repeats; "
         f"{s['order']}. Speedups are tokens/s ratios on the same prompts.",
         "",
-        "| method | k | tok/s | tok/s (mean) | vs none | vs hf | accepted len | acceptance | TTFT ms "
-        "| ITL p50 ms | ITL p95 ms | peak mem | lossless |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| method | k | tok/s | tok/s (mean) | " + " | ".join(f"vs {b}" for b in bases) + " | accepted len | "
+        "acceptance | TTFT ms | ITL p50 ms | ITL p95 ms | peak mem | lossless |",
+        "|---|---:|---:|---:|" + "---:|" * len(bases) + "---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, m in methods.items():
         lines.append("| " + " | ".join([
             name, str(m["num_draft_tokens"]), _num(m["tokens_per_s"], ".2f"), _num(m["tokens_per_s_mean"], ".2f"),
-            _x(m["speedup_vs_none"]), _x(m["speedup_vs_hf"]), _num(m["mean_accepted_length"], ".2f"),
+            *(_x(m.get(f"speedup_vs_{b}")) for b in bases), _num(m["mean_accepted_length"], ".2f"),
             _num(m["acceptance_rate"], ".1%"), _ms(m["ttft_s_mean"]), _ms(m["itl_s_p50"]), _ms(m["itl_s_p95"]),
             _mib(m["peak_memory_bytes"]), _verdict(m),
         ]) + " |")  # fmt: skip
@@ -120,7 +125,7 @@ def markdown(report: dict[str, Any]) -> str:
         for name, m in methods.items():
             cells = [_x(m["by_category"][c]["speedup_vs_none"]) for c in report["categories"]]
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {_x(m['speedup_vs_none'])} |")
-    listed = [x for m in methods.values() for x in m["mismatches"] + m["mismatches_vs_hf"]]
+    listed = [x for m in methods.values() for x in m["mismatches"] + m.get("mismatches_vs_hf", [])]
     if listed:
         lines += ["", f"Greedy mismatches ({len(listed)}; first {min(len(listed), MAX_LISTED)}):", ""]
         for x in listed[:MAX_LISTED]:
@@ -139,8 +144,9 @@ def _verdict(m: dict[str, Any]) -> str:
     if m["lossless"] is None:
         return "n/a (sampling)"
     verdict = "yes" if m["lossless"] else f"NO ({len(m['mismatches'])} turns differ)"
-    if m["matches_hf"] is False:
-        verdict += f"; differs from hf on {len(m['mismatches_vs_hf'])} turns"
+    for ref in REFERENCES:
+        if m.get(f"matches_{ref}") is False:
+            verdict += f"; differs from {ref} on {len(m[f'mismatches_vs_{ref}'])} turns"
     return verdict
 
 

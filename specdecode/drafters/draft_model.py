@@ -39,6 +39,12 @@ class DraftModelDrafter:
             return Draft.empty()
         self._ensure_capacity(len(ctx.tokens) + max_tokens)
         pending = ctx.tokens[self.cache.length :]  # [>= 1] tokens not yet in the draft cache
+        if self.cache.length == 0 and len(pending) > 1:
+            # Each position computed as the target computes it: the prompt batched (its prefill), every later
+            # token as a one-row decode. With 8-bit activations a last-bit difference can flip a rounding, and a
+            # draft that rounds like the target guesses more of its near-ties right.
+            self._forward(pending[:-1], decode=False)
+            pending = pending[-1:]
         logits = self._forward(pending)
         self.base_length = self.cache.length
         tokens, probs = [], []
@@ -67,14 +73,13 @@ class DraftModelDrafter:
         probs = to_probs(logits, ctx.params)
         return sample(probs, ctx.generator)[None], probs, float(probs.max())
 
-    def _forward(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+    def _forward(self, tokens: list[int] | torch.Tensor, decode: bool = True) -> torch.Tensor:
         """Feed tokens at the next cache positions; -> logits of the last one [vocab]."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).view(1, -1)  # [1, T]
         start, count = self.cache.length, ids.shape[1]
         positions = torch.arange(start, start + count, device=ids.device)[None]
         mask = chain_mask(start, count, ids.device)
-        # decode=True takes the per-row path, cheaper on CPU for a few tokens; a long catch-up (the prompt) is batched.
-        logits, _ = self.model(ids, positions, self.cache, mask, logits_from=count - 1, decode=count <= 8)
+        logits, _ = self.model(ids, positions, self.cache, mask, logits_from=count - 1, decode=decode)
         self.cache.truncate(start + count)
         return logits[0, -1]
 

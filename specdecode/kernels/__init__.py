@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use for the machine they run on and cached.
 
-`cpu_kernels()` returns the compiled module (`linear_fp32`, `linear_bf16`, `linear_int8`, `linear_int4` from
-linear_cpu.cpp; `decode_attention` from attention_cpu.cpp) or
+`cpu_kernels()` returns the compiled module (`linear_fp32`, `linear_bf16` from linear_cpu.cpp; `linear_quant` from
+quant_cpu.cpp; `decode_attention` from attention_cpu.cpp) or
 None where it cannot run: no AVX2/FMA, no C++ compiler, or a build error. Callers then fall back to PyTorch's own
 kernels, which are correct but neither flat in the number of tokens nor batch-invariant on such CPUs.
 """
@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "attention_cpu.cpp", "bindings.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_cpu.cpp", "attention_cpu.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 
 
@@ -50,7 +50,8 @@ def cpu_kernels() -> ModuleType | None:
 
     # One build per source version and torch version; the first build takes about a minute.
     # Built for this CPU (-march=native), so the build is keyed by its flags too; at::parallel_for needs OpenMP.
-    flags = ["-O3", "-march=native", "-mavx2", "-mfma", "-funroll-loops", "-fopenmp"]
+    # No FMA contraction of scalar code: every instantiation of a kernel must round the same way.
+    flags = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp"]
     text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {flags_here}".encode()
     key = hashlib.sha256(text).hexdigest()[:12]
     build = cache_dir() / "kernels" / key

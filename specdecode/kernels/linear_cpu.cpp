@@ -1,4 +1,5 @@
-// Weight-only linear layer for CPUs with AVX2 + FMA: y[M, N] = x[M, K] @ W[N, K]^T, x and y float32.
+// Float-weight linear layer for CPUs with AVX2 + FMA: y[M, N] = x[M, K] @ W[N, K]^T, x and y float32.
+// (Quantized weights run on quant_cpu.cpp's integer kernels.)
 //
 // Two properties the engine needs and stock kernels lack on such CPUs:
 //  * Flat in M. Decoding is memory-bound: each weight is read from memory and decoded to float32 in a register
@@ -8,14 +9,9 @@
 //  * Batch-invariant. Every output y[m, n] is reduced in one fixed order (eight float32 lanes along K, then a fixed
 //    horizontal sum), whatever M is, whichever tile row m falls in and however rows are split across threads. So a
 //    verify forward produces bit for bit the numbers a one-token forward would, and speculative greedy output is
-//    token-identical to plain decoding in any weight format.
+//    token-identical to plain decoding.
 //
-// Weight formats (decoded values w[n, k]):
-//   fp32: float32 [N, K].
-//   bf16: uint16 [N, K], the upper half of a float32.
-//   int8: int8 [N, K] and float32 scales [N]: w = q * scale[n] (the scale multiplies the finished sum).
-//   int4: uint8 [N, K / 2], groups of 32 along K stored in 16 bytes: byte j holds q[j] (low nibble) and q[j + 16]
-//         (high nibble); float32 scales and mins [N, K / 32]: w = q * scale + min (the form of GGUF's Q4_K blocks).
+// Weight formats: fp32, float32 [N, K]; bf16, uint16 [N, K], the upper half of a float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,33 +27,21 @@ using specdecode::load_bf16x8;
 
 constexpr int kMaxTile = 6;
 
-enum class Format { fp32, bf16, int8, int4 };
+enum class Format { fp32, bf16 };
 
 struct Weights {
   Format format;
   const void* data;
-  const float* scales;  // int8: [N]; int4: [N, K / 32]
-  const float* mins;    // int4: [N, K / 32]
   int64_t K;
 };
 
-// Eight decoded weights w[n, k .. k + 8) in a register (int8: before its row scale, applied to the sum).
+// Eight weights w[n, k .. k + 8) as float32 in a register.
 template <Format F>
 inline __m256 decode8(const Weights& w, int64_t n, int64_t k) {
   if constexpr (F == Format::fp32) {
     return _mm256_loadu_ps(static_cast<const float*>(w.data) + n * w.K + k);
-  } else if constexpr (F == Format::bf16) {
-    return load_bf16x8(static_cast<const uint16_t*>(w.data) + n * w.K + k);
-  } else if constexpr (F == Format::int8) {
-    const int8_t* src = static_cast<const int8_t*>(w.data) + n * w.K + k;
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
   } else {
-    const int64_t group = k / 32, step = (k % 32) / 8;  // step 0, 1: low nibbles of bytes 0-7, 8-15; 2, 3: high
-    const uint8_t* src = static_cast<const uint8_t*>(w.data) + n * (w.K / 2) + 16 * group + 8 * (step & 1);
-    __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-    __m256i q = step < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4);
-    const int64_t at = n * (w.K / 32) + group;
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(w.scales[at]), _mm256_set1_ps(w.mins[at]));
+    return load_bf16x8(static_cast<const uint16_t*>(w.data) + n * w.K + k);
   }
 }
 
@@ -79,8 +63,7 @@ void tile(const float* x, const Weights& w, float* y, int64_t N, int64_t n0) {
   }
   for (int m = 0; m < TILE; ++m)
     for (int r = 0; r < ROWS; ++r) {
-      float sum = lane_sum(acc[m][r]);
-      y[m * N + n0 + r] = F == Format::int8 ? sum * w.scales[n0 + r] : sum;
+      y[m * N + n0 + r] = lane_sum(acc[m][r]);
     }
 }
 
@@ -129,8 +112,6 @@ torch::Tensor run(const torch::Tensor& x, const Weights& w, int64_t N) {
       switch (w.format) {
         case Format::fp32: block<Format::fp32>(xp, M, w, yp, N, 4 * b); break;
         case Format::bf16: block<Format::bf16>(xp, M, w, yp, N, 4 * b); break;
-        case Format::int8: block<Format::int8>(xp, M, w, yp, N, 4 * b); break;
-        case Format::int4: block<Format::int4>(xp, M, w, yp, N, 4 * b); break;
       }
     }
   });
@@ -142,29 +123,10 @@ torch::Tensor run(const torch::Tensor& x, const Weights& w, int64_t N) {
 
 torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(), "weight must be float32 [N, K]");
-  return run(x, {Format::fp32, weight.data_ptr(), nullptr, nullptr, weight.size(1)}, weight.size(0));
+  return run(x, {Format::fp32, weight.data_ptr(), weight.size(1)}, weight.size(0));
 }
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), "weight must be bfloat16 [N, K]");
-  return run(x, {Format::bf16, weight.data_ptr(), nullptr, nullptr, weight.size(1)}, weight.size(0));
-}
-
-torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales) {
-  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.is_contiguous(), "qweight must be int8 [N, K]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == qweight.size(0), "scales: float32 [N]");
-  return run(x, {Format::int8, qweight.data_ptr(), scales.data_ptr<float>(), nullptr, qweight.size(1)},
-             qweight.size(0));
-}
-
-torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
-                          const torch::Tensor& mins) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be uint8 [N, K / 2]");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(K % 32 == 0, "int4 needs K to be a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * K / 32,
-              "scales: float32 [N, K / 32]");
-  TORCH_CHECK(mins.scalar_type() == torch::kFloat32 && mins.is_contiguous() && mins.numel() == N * K / 32,
-              "mins: float32 [N, K / 32]");
-  return run(x, {Format::int4, packed.data_ptr(), scales.data_ptr<float>(), mins.data_ptr<float>(), K}, N);
+  return run(x, {Format::bf16, weight.data_ptr(), weight.size(1)}, weight.size(0));
 }

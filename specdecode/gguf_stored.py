@@ -1,0 +1,143 @@
+"""A GGUF file with its quantized tensors as stored: the weights llama.cpp runs, at about the file's size.
+
+The file's blocks are unpacked once into the integer kernel's layout (blocks.py: exact, nothing re-rounded) and
+cached with the config and tokenizer as a folder `<cache>/converted/<stem>-<key>-as-stored/`, so later loads
+read ~1 GB from disk and parse nothing. Norms and biases stay float32. Tensor names are mapped to Hugging Face's,
+so the native model takes them like any checkpoint. Block types the kernel does not run (Q2_K, Q3_K, IQ*, ...)
+are de-quantized to float32, with a warning naming the type.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import Tensor
+from tqdm import tqdm
+
+from specdecode import hub
+from specdecode.blocks import FORMATS, PackedWeight, from_gguf, with_rows
+from specdecode.errors import SpecdecodeError
+from specdecode.weights import (conversion_prefix, gguf_config, gguf_tokenizer, guard_gguf, read_config,
+                                read_tokenizer, write_folder)  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+# GGUF tensor names -> Hugging Face parameter names, for the llama family.
+NAMES = [
+    (r"token_embd\.(\w+)", r"model.embed_tokens.\1"),
+    (r"output_norm\.(\w+)", r"model.norm.\1"),
+    (r"output\.(\w+)", r"lm_head.\1"),
+    (r"blk\.(\d+)\.attn_norm\.(\w+)", r"model.layers.\1.input_layernorm.\2"),
+    (r"blk\.(\d+)\.ffn_norm\.(\w+)", r"model.layers.\1.post_attention_layernorm.\2"),
+    (r"blk\.(\d+)\.attn_q\.(\w+)", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"blk\.(\d+)\.attn_k\.(\w+)", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"blk\.(\d+)\.attn_v\.(\w+)", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"blk\.(\d+)\.attn_output\.(\w+)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"blk\.(\d+)\.attn_q_norm\.(\w+)", r"model.layers.\1.self_attn.q_norm.\2"),
+    (r"blk\.(\d+)\.attn_k_norm\.(\w+)", r"model.layers.\1.self_attn.k_norm.\2"),
+    (r"blk\.(\d+)\.ffn_gate\.(\w+)", r"model.layers.\1.mlp.gate_proj.\2"),
+    (r"blk\.(\d+)\.ffn_up\.(\w+)", r"model.layers.\1.mlp.up_proj.\2"),
+    (r"blk\.(\d+)\.ffn_down\.(\w+)", r"model.layers.\1.mlp.down_proj.\2"),
+]
+FLOAT_TYPES = {"F32", "F16", "BF16"}
+PACKED_FIELDS = ("qs", "qh", "scales", "mins", "d", "dmin")
+
+
+@dataclass
+class StoredCheckpoint:
+    config: dict[str, Any]  # as weights.read_config returns it
+    floats: dict[str, Tensor]  # HF names -> float32 tensors (norms, biases, float or de-quantized weights)
+    packed: dict[str, PackedWeight]  # HF names -> weights in blocks
+    tokenizer: Any
+
+
+def stored_dir(gguf: Path, cache: Path | None = None) -> Path:
+    return (cache or hub.cache_dir()) / "converted" / f"{conversion_prefix(gguf)}as-stored"
+
+
+def load_stored(gguf: Path, cache: Path | None = None) -> StoredCheckpoint:
+    """The GGUF file's weights as stored (unpacked and cached on first use)."""
+    folder = stored_dir(gguf, cache)
+    if not folder.is_dir():
+        unpack_gguf(gguf, folder)
+    floats: dict[str, Tensor] = {}
+    fields: dict[str, dict[str, Tensor]] = {}
+    with safe_open(folder / "model.safetensors", "pt") as file:
+        formats = json.loads(file.metadata()["block_formats"])
+        for key in file.keys():
+            # Read, not mapped: a fresh process must not pay page faults on its first forward.
+            name, _, field = key.rpartition(":")
+            if name in formats:
+                fields.setdefault(name, {})[field] = file.get_tensor(key)
+            else:
+                floats[key] = file.get_tensor(key)
+    packed = {name: PackedWeight(FORMATS[fmt], *(fields[name].get(f, torch.empty(0, dtype=torch.uint8))
+                                                 for f in PACKED_FIELDS)) for name, fmt in formats.items()}
+    return StoredCheckpoint(read_config(folder), floats, packed, read_tokenizer(folder))
+
+
+def unpack_gguf(gguf: Path, out: Path) -> None:
+    """Read every tensor of `gguf`, unpack the blocks, map the names, and write the cache folder `out`."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    config, skeleton = gguf_config(gguf)
+    reader = guard_gguf(gguf, lambda: GGUFReader(gguf))
+    permute = _llama_permutation(config) if config.model_type in ("llama", "mistral") else {}
+    tensors: dict[str, Tensor] = {}
+    formats: dict[str, str] = {}
+    warned: set[str] = set()
+    for t in tqdm(reader.tensors, desc=f"unpack {gguf.name}", unit="tensor", leave=False):
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        type_name = t.tensor_type.name
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
+        if type_name.lower() in FORMATS and len(shape) == 2:
+            packed = guard_gguf(gguf, lambda: from_gguf(type_name, t.data, shape))
+            if name.rpartition(".")[0].rpartition(".")[2] in permute:
+                packed = with_rows(packed, permute[name.rpartition(".")[0].rpartition(".")[2]])
+            formats[name] = packed.format.name
+            for field in PACKED_FIELDS:
+                if (value := getattr(packed, field)).numel():
+                    tensors[f"{name}:{field}"] = value
+            continue
+        if type_name not in FLOAT_TYPES and type_name not in warned:
+            warned.add(type_name)
+            log.warning("specdecode: GGUF block type %s has no integer kernel; running it de-quantized", type_name)
+        values = np.asarray(t.data) if type_name in FLOAT_TYPES else dequantize(t.data, t.tensor_type)
+        value = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+        kind = name.rpartition(".")[0].rpartition(".")[2]
+        tensors[name] = value[permute[kind]] if kind in permute else value
+    expected = set(skeleton.state_dict()) - {"lm_head.weight"}
+    if missing := sorted(expected - set(formats) - set(tensors)):
+        raise SpecdecodeError(f"{gguf} lacks {len(missing)} tensors (first: {missing[0]}); the file is incomplete")
+    if "lm_head.weight" not in formats and "lm_head.weight" not in tensors:
+        config.tie_word_embeddings = True
+    write_folder(out, config, tensors, gguf_tokenizer(gguf), {"block_formats": json.dumps(formats)})
+
+
+def hf_name(gguf_name: str) -> str | None:
+    for pattern, replacement in NAMES:
+        if re.fullmatch(pattern, gguf_name):
+            return re.sub(pattern, replacement, gguf_name)
+    return None  # e.g. rope_freqs: recomputed from the config
+
+
+def _llama_permutation(config: Any) -> dict[str, Tensor]:
+    """llama.cpp stores llama q/k rows reordered for its rotary layout; these row orders undo it."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def order(heads: int) -> Tensor:
+        return torch.arange(heads * head_dim).view(heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
+
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    return {"q_proj": order(config.num_attention_heads), "k_proj": order(kv_heads)}

@@ -1,0 +1,92 @@
+"""GGUF block formats on the integer kernel: unpacked exactly as gguf-py reads them, multiplied right (against a
+plain integer reference and against de-quantized float math), and every row computed as if it were alone."""
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from specdecode.blocks import FORMATS, PackedWeight, from_gguf, quantize_float
+from specdecode.kernels import cpu_kernels
+from specdecode.quantize import QuantLinear
+
+kernels = cpu_kernels()
+needs_kernel = pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+TYPES = [name.upper() for name in FORMATS]
+# Where each block type keeps its float16 fields (byte offsets): random bytes there could be NaN or huge.
+HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}  # fmt: skip
+
+
+def random_blocks(type_name: str, out: int, inp: int, seed: int = 0) -> np.ndarray:
+    """Random valid GGUF bytes [out, row_bytes] of `type_name`: random codes and scales, sane float16 fields."""
+    rng = np.random.default_rng(seed)
+    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, size=(out, inp // block, block_bytes), dtype=np.uint8)
+    for at in HALF_FIELDS[type_name]:
+        halves = rng.uniform(0.001, 0.02, size=(out, inp // block)).astype(np.float16)
+        raw[..., at : at + 2] = halves[..., None].view(np.uint8).reshape(out, inp // block, 2)
+    return raw.reshape(out, -1)
+
+
+def packed(type_name: str, out: int = 24, inp: int = 512, seed: int = 0) -> PackedWeight:
+    return from_gguf(type_name, random_blocks(type_name, out, inp, seed), (out, inp))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_unpacked_blocks_decode_to_what_gguf_reads(type_name):
+    raw = random_blocks(type_name, 6, 512)
+    expected = dequantize(raw, GGMLQuantizationType[type_name]).reshape(6, 512)
+    ours = from_gguf(type_name, raw, (6, 512)).dequantize().numpy()
+    np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+
+
+def integer_reference(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """The kernel's arithmetic, plainly: activations rounded to int8 per superblock, exact integer sums, float64."""
+    f, (out, inp) = w.format, w.shape
+    xs = x.double().view(x.shape[0], inp // f.superblock, f.superblock)
+    xd = (xs.float().abs().amax(-1) / 127).double()  # [M, superblocks], float32 like the kernel
+    xq = torch.round(xs / torch.where(xd > 0, xd, 1)[..., None]).clamp(-127, 127)
+    x_rounded = (xq * xd[..., None]).view(x.shape[0], inp)
+    return x_rounded @ w.dequantize().double().T
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernel_matches_the_integer_reference_and_float_math(type_name):
+    torch.manual_seed(0)
+    w = packed(type_name, out=37, inp=512)  # 37 rows: a ragged last block of weight rows
+    layer = QuantLinear(w, None, kernels)
+    x = torch.randn(11, 512)
+    out = layer(x).double()
+    ref = integer_reference(x, w)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+    exact = x.double() @ w.dequantize().double().T  # what the weights mean, activations unrounded
+    assert (out - exact).abs().max() / exact.abs().max() < 0.02  # int8 activations: about 1% off
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", TYPES)
+def test_every_row_is_computed_as_if_alone(type_name):
+    """Batch invariance, bit for bit: the property that makes a verify forward equal one-token forwards."""
+    torch.manual_seed(1)
+    layer = QuantLinear(packed(type_name, out=21, inp=512, seed=1), None, kernels)
+    x = torch.randn(19, 512)
+    singles = torch.cat([layer(x[j : j + 1]) for j in range(19)])
+    for rows in (2, 3, 5, 8, 9, 16, 19):  # every tile width and a remainder
+        assert torch.equal(layer(x[:rows]), singles[:rows])
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k"])
+def test_float_weights_written_in_blocks_stay_close(name):
+    torch.manual_seed(0)
+    w = torch.randn(16, 512) * 0.05
+    back = quantize_float(w, name).dequantize()
+    assert (back - w).abs().max() < (0.002 if name == "q8_0" else 0.02)
+
+
+def test_embedding_rows_decode_as_the_whole_matrix():
+    w = packed("Q6_K", out=10, inp=256)
+    rows = torch.tensor([7, 0, 7, 3])
+    assert torch.equal(w.rows(rows).dequantize(), w.dequantize()[rows])
