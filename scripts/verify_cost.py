@@ -1,9 +1,13 @@
-"""How much a forward over M tokens costs, per weight format: the curve that decides which drafters pay.
+"""How much a forward over M tokens costs, per weight form: the curve that decides which drafters pay.
 
 Speculation pays when verifying k+1 tokens costs little more than decoding one. Prints a markdown table of the
-best-of-N time of one target forward (with a 200-token cache) for M = 1, 2, 4, 6, 8, per quantization mode.
+best-of-N time of one target forward (decode path, after a 200-token prompt) for each M, per weight form, with
+its ratio to M=1, and the prefill rate over a `--prefill`-token prompt.
 
-    python scripts/verify_cost.py --model qwen2.5-coder-1.5b-instruct --modes none,int8,int4
+    python scripts/verify_cost.py --model qwen2.5-coder-1.5b-instruct --forms stored,bf16 --sizes 1-16
+
+Forms: `stored` (a GGUF file's blocks as they are, float32 activations), `bf16` / `float32` (de-quantized),
+`q8_0` / `q4_k` (float weights written in blocks by --quantize).
 """
 
 from __future__ import annotations
@@ -15,6 +19,14 @@ import torch
 
 from specdecode.loading import load_model
 from specdecode.masks import chain_mask
+
+FORMS = {  # form -> (dtype, quantize, weights)
+    "stored": (torch.float32, "none", "stored"),
+    "bf16": (torch.bfloat16, "none", "float"),
+    "float32": (torch.float32, "none", "float"),
+    "q8_0": (torch.float32, "q8_0", "float"),
+    "q4_k": (torch.float32, "q4_k", "float"),
+}
 
 
 def forward_ms(model, cache, prefix: int, m: int, repeats: int) -> float:
@@ -28,26 +40,50 @@ def forward_ms(model, cache, prefix: int, m: int, repeats: int) -> float:
     return best * 1000
 
 
+def prefill_tokens_per_s(model, n: int, repeats: int) -> float:
+    cache = model.new_cache(1, n + 8)
+    best = float("inf")
+    for _ in range(repeats):
+        cache.truncate(0)
+        ids = torch.randint(0, 1000, (1, n))
+        start = time.perf_counter()
+        model(ids, torch.arange(n)[None], cache, chain_mask(0, n), logits_from=n - 1)
+        best = min(best, time.perf_counter() - start)
+    return n / best
+
+
+def parse_sizes(text: str) -> list[int]:
+    if "-" in text:
+        low, high = text.split("-")
+        return list(range(int(low), int(high) + 1))
+    return [int(s) for s in text.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--modes", default="none,int8,int4")
-    ap.add_argument("--sizes", default="1,2,4,6,8,10")
+    ap.add_argument("--forms", default="stored,bf16", help=f"comma-separated, from {', '.join(FORMS)}")
+    ap.add_argument("--sizes", default="1-16", help="M values: '1,2,4,8' or a range '1-16'")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prefill", type=int, default=1000, help="prompt tokens for the prefill rate (0: skip)")
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"model {args.model}, bfloat16 activations, {torch.get_num_threads()} threads, best of {args.repeats}")
-    print("| weights | " + " | ".join(f"M={m}" for m in sizes) + " |")
-    print("|---|" + "---|" * len(sizes))
-    for mode in args.modes.split(","):
-        model, _ = load_model(args.model, torch.bfloat16, quantize=mode)
+    sizes = parse_sizes(args.sizes)
+    print(f"model {args.model}, {torch.get_num_threads()} threads, best of {args.repeats}; ms per forward "
+          "(ratio to M=1)")
+    print("| weights | " + " | ".join(f"M={m}" for m in sizes) + " | prefill tok/s |")
+    print("|---|" + "---|" * (len(sizes) + 1))
+    for form in args.forms.split(","):
+        dtype, quantize, weights = FORMS[form]
+        model, _ = load_model(args.model, dtype, quantize=quantize, weights=weights)
         cache = model.new_cache(1, 512)
         with torch.inference_mode():
             prompt = torch.randint(0, 1000, (1, 200))
             model(prompt, torch.arange(200)[None], cache, chain_mask(0, 200))
             cache.truncate(200)
             times = [forward_ms(model, cache, 200, m, args.repeats) for m in sizes]
-        print(f"| {'bf16' if mode == 'none' else mode} | " + " | ".join(f"{t:.0f} ms" for t in times) + " |")
+            prefill = prefill_tokens_per_s(model, args.prefill, 2) if args.prefill else None
+        cells = [f"{t:.0f} ({t / times[0]:.2f}x)" for t in times]
+        print(f"| {form} | " + " | ".join(cells) + (f" | {prefill:.0f} |" if prefill else " | - |"), flush=True)
         del model, cache
 
 

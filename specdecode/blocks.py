@@ -59,7 +59,7 @@ class PackedWeight:
 
     format: BlockFormat
     qs: Tensor  # uint8 [out, in / 2] nibbles, or int8 [out, in] signed codes (8 bits)
-    qh: Tensor  # uint8 [out, in / 8] (5 bits) or [out, in / 4] (6 bits) high bits
+    qh: Tensor  # uint8 bit planes of the high bits: [out, in / 8] (5 bits), [out, 2, in / 8] as [out, in / 4] (6)
     scales: Tensor  # int8 [out, in / group]
     mins: Tensor  # int8 [out, in / group]
     d: Tensor  # float16 [out, in / superblock]
@@ -86,15 +86,14 @@ class PackedWeight:
         f, (out, inp) = self.format, self.shape
         if f.bits == 8:
             return self.qs.view(torch.int8).int()
-        groups = self.qs.view(out, inp // 32, 16).int()
-        codes = torch.cat((groups & 15, groups >> 4), dim=-1)  # [out, groups, 32]
-        if f.bits == 5:  # code i's high bit: bit i // 4 of byte i % 4
-            planes = self.qh.view(out, inp // 32, 1, 4).int() >> torch.arange(8).view(1, 1, 8, 1)
-            codes |= ((planes & 1) << 4).reshape(out, inp // 32, 32)
-        elif f.bits == 6:  # code i's high two bits: bits 2 (i // 8) of byte i % 8
-            planes = self.qh.view(out, inp // 32, 1, 8).int() >> (2 * torch.arange(4)).view(1, 1, 4, 1)
-            codes |= ((planes & 3) << 4).reshape(out, inp // 32, 32)
-        return codes.reshape(out, inp)
+        span = nibble_span(f)
+        groups = self.qs.view(out, inp // span, span // 2).int()
+        codes = torch.cat((groups & 15, groups >> 4), dim=-1).reshape(out, inp)  # [out, spans, span]
+        for plane in range(f.bits - 4 if f.bits in (5, 6) else 0):  # bit k of a plane: bit 4 + plane of code k
+            planes = self.qh.view(out, -1, inp // 8)[:, plane].int()  # [out, in / 8]
+            bits = (planes[..., None] >> torch.arange(8)) & 1  # [out, in / 8, 8]
+            codes |= bits.reshape(out, inp) << (4 + plane)
+        return codes
 
     def dequantize(self) -> Tensor:
         """[out, in] float32, by the formula in the module docstring: the reference for the kernel."""
@@ -107,6 +106,12 @@ class PackedWeight:
         return w - dmin * low if dmin is not None else w
 
 
+def nibble_span(fmt: BlockFormat) -> int:
+    """Codes per run of nibble bytes: byte j of a run holds code j (low nibble) and code j + span / 2 (high).
+    32 for the 32-weight blocks; 128 for the k-quants, so one 64-byte load holds 128 codes (two AVX-512 steps)."""
+    return 128 if fmt.superblock == 256 else 32
+
+
 def pack(fmt: BlockFormat, codes: np.ndarray, d: np.ndarray, dmin: np.ndarray | None = None,
          scales: np.ndarray | None = None, mins: np.ndarray | None = None) -> PackedWeight:
     """codes [out, in] (uint8 0..2^bits-1, or int8 for 8 bits), d/dmin float16 [out, in / superblock],
@@ -116,15 +121,14 @@ def pack(fmt: BlockFormat, codes: np.ndarray, d: np.ndarray, dmin: np.ndarray | 
     if fmt.bits == 8:
         qs = torch.from_numpy(np.ascontiguousarray(codes.astype(np.int8)).view(np.uint8))
     else:
-        groups = codes.astype(np.uint8).reshape(out, inp // 32, 32)
-        qs = torch.from_numpy(((groups[..., :16] & 15) | ((groups[..., 16:] & 15) << 4)).reshape(out, inp // 2))
-        high = groups >> 4
-        if fmt.bits == 5:
-            planes = high.reshape(out, inp // 32, 8, 4) << np.arange(8, dtype=np.uint8)[:, None]
-            qh = torch.from_numpy(np.bitwise_or.reduce(planes, axis=2).reshape(out, inp // 8))
-        elif fmt.bits == 6:
-            planes = high.reshape(out, inp // 32, 4, 8) << (2 * np.arange(4, dtype=np.uint8))[:, None]
-            qh = torch.from_numpy(np.bitwise_or.reduce(planes, axis=2).reshape(out, inp // 4))
+        span = nibble_span(fmt)
+        groups = codes.astype(np.uint8).reshape(out, inp // span, span)
+        half = span // 2
+        qs = torch.from_numpy(((groups[..., :half] & 15) | ((groups[..., half:] & 15) << 4)).reshape(out, inp // 2))
+        if fmt.bits in (5, 6):  # one bit plane per high bit, in the codes' order along the row
+            planes = [np.packbits((codes.astype(np.uint8) >> (4 + p)) & 1, axis=-1, bitorder="little")
+                      for p in range(fmt.bits - 4)]  # each [out, in / 8]
+            qh = torch.from_numpy(np.ascontiguousarray(np.stack(planes, axis=1)).reshape(out, -1))
 
     def tensor(a: np.ndarray | None, dtype: np.dtype) -> Tensor:
         return EMPTY_U8 if a is None else torch.from_numpy(np.ascontiguousarray(a.astype(dtype)))

@@ -49,6 +49,7 @@ NAMES = [
 ]
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 PACKED_FIELDS = ("qs", "qh", "scales", "mins", "d", "dmin")
+LAYOUT = 3  # of blocks.PackedWeight; part of the cache folder's name, so a new layout never reads an old folder
 
 
 @dataclass
@@ -60,7 +61,7 @@ class StoredCheckpoint:
 
 
 def stored_dir(gguf: Path, cache: Path | None = None) -> Path:
-    return (cache or hub.cache_dir()) / "converted" / f"{conversion_prefix(gguf)}as-stored"
+    return (cache or hub.cache_dir()) / "converted" / f"{conversion_prefix(gguf)}as-stored-v{LAYOUT}"
 
 
 def load_stored(gguf: Path, cache: Path | None = None) -> StoredCheckpoint:
