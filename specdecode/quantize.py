@@ -47,18 +47,22 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.packed = packed
         self.bias = bias
-        self.kernels = kernels
+        f = packed.format
+        bias32 = bias.detach().float().contiguous() if bias is not None else torch.empty(0)
+        self.linear = kernels.linear_quant
+        self.args = (*packed.tensors(), bias32, f.bits, f.superblock, f.group)  # the kernel's, resolved once
 
     @property
     def weight_bytes(self) -> int:
         return self.packed.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        f = self.packed.format
-        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()  # [M, in]
-        out = self.kernels.linear_quant(x2, *self.packed.tensors(), f.bits, f.superblock, f.group)  # [M, out]
-        out = out.view(*x.shape[:-1], -1).to(x.dtype)
-        return out + self.bias if self.bias is not None else out
+        # The fast path of a one-token step: no conversions when x is already contiguous float32.
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        out = self.linear(x2, *self.args).view(*x.shape[:-1], -1)  # bias added by the kernel
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class QuantEmbedding(nn.Module):

@@ -113,7 +113,8 @@ def build_runners(methods: list[str], models: BenchModels, override_k: int | Non
         if method in HF_METHODS:
             runners[method] = HFRunner(models.hf_target, models.eos_token_ids, hf_options(method, models, k, max_ngram))
         elif method in LLAMACPP_METHODS:
-            runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, max_len, k, max_ngram)
+            # A context of at most 4096: its prompt lookup keeps logits for every slot (n_ctx x vocab floats).
+            runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, min(max_len, 4096), k, max_ngram)
         else:
             drafter = build_drafter(method, models.target, models.draft, max_ngram)
             decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len)
@@ -143,5 +144,14 @@ def weights_bytes(method: str, models: BenchModels) -> int:
         used = [models.hf_target] + ([models.hf_draft] if method == "hf-assisted" else [])
     else:
         used = [models.target] + ([models.draft] if method == "draft" else [])
-    tensors = {t.data_ptr(): t.numel() * t.element_size() for m in used for t in [*m.parameters(), *m.buffers()]}
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for m in used for t in model_tensors(m)}
     return sum(tensors.values())
+
+
+def model_tensors(model: torch.nn.Module):
+    """Parameters, buffers, and the blocks of layers that keep their weights packed (quantize.QuantLinear)."""
+    yield from model.parameters()
+    yield from model.buffers()
+    for module in model.modules():
+        if (packed := getattr(module, "packed", None)) is not None:
+            yield from (t for t in packed.tensors() if t.numel())

@@ -399,7 +399,7 @@ const uint8_t* bytes_or_null(const torch::Tensor& t) {
 
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh,
                            const torch::Tensor& scales, const torch::Tensor& mins, const torch::Tensor& d,
-                           const torch::Tensor& dmin, int64_t bits, int64_t S, int64_t G) {
+                           const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t S, int64_t G) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, K] float32");
   TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous(), "d: float16 [N, K / S]");
   const int64_t M = x.size(0), K = x.size(1), N = d.size(0);
@@ -433,5 +433,6 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& qs, cons
       }
     }
   });
+  if (bias.numel()) y.add_(bias);  // here, not in Python: one framework call less per layer
   return y;
 }

@@ -1,0 +1,78 @@
+"""A real GGUF file (SmolLM2-135M: Q4_1 layers, a Q8_0 embedding) run with its blocks as stored: the weights are
+the file's, the logits agree with the de-quantized float model, and greedy speculation is token-identical to plain
+decoding on this path. With llama-cpp-python installed, llama.cpp's greedy output is compared too."""
+
+import pytest
+import torch
+
+from specdecode import hub
+from specdecode.api import SpecDecoder, build_drafter
+from specdecode.config import SamplingParams
+from specdecode.kernels import cpu_kernels
+from specdecode.loading import load_model, plan_load
+from specdecode.masks import chain_mask
+from specdecode.quantize import QuantEmbedding, QuantLinear
+
+SMOL = "smollm2-135m-instruct"
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(cpu_kernels() is None, reason="weights as stored run on the native CPU kernel")]
+PROMPT = [{"role": "user", "content": "Write a Python function that returns the largest of three numbers."}]
+
+
+@pytest.fixture(scope="module")
+def stored():
+    hub.pull(SMOL)
+    return load_model(SMOL, torch.float32, weights="stored")
+
+
+def test_auto_runs_a_gguf_file_as_stored():
+    plan = plan_load(SMOL, SMOL)
+    assert (plan.weights, plan.draft_weights, plan.dtype) == ("stored", "stored", torch.float32)
+    assert plan_load(SMOL, None, weights="float").weights == "float"
+
+
+def test_blocks_are_kept_and_logits_match_the_float_model(stored):
+    model, tokenizer = stored
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 30 * 7 + 1  # every projection and the (tied, Q8_0) output matrix
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    float_model, _ = load_model(SMOL, torch.float32, weights="float")
+    ids = torch.tensor([prompt_ids(tokenizer)])
+    with torch.inference_mode():
+        ours, _ = model(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, 128), chain_mask(0, ids.shape[1]))
+        ref, _ = float_model(ids, torch.arange(ids.shape[1])[None], float_model.new_cache(1, 128),
+                             chain_mask(0, ids.shape[1]))
+    # int8 activations against float ones, through 30 layers: close on average, the same top token nearly always
+    assert (ours - ref).abs().mean() < 0.06 * ref.abs().mean()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_greedy_speculation_is_token_identical_on_the_stored_path(stored):
+    model, tokenizer = stored
+    params = SamplingParams(max_new_tokens=48)
+    outputs = {}
+    for method, k in (("none", 0), ("ngram", 4), ("draft", 5)):
+        drafter = build_drafter(method, model, model if method == "draft" else None)
+        decoder = SpecDecoder(model, tokenizer, drafter, method, k)
+        outputs[method] = decoder.generate(PROMPT, params).token_ids
+        if method == "draft":  # the draft is the target itself, computed the same way: every guess is right
+            assert decoder.stats.acceptance_rate == 1.0
+    assert outputs["ngram"] == outputs["none"] and outputs["draft"] == outputs["none"]
+
+
+def test_llamacpp_reads_the_same_file_and_mostly_agrees(stored):
+    pytest.importorskip("llama_cpp")
+    from specdecode.bench.llamacpp import LlamaCppRunner
+
+    model, tokenizer = stored
+    ids = prompt_ids(tokenizer)
+    params = SamplingParams(max_new_tokens=24)
+    ours = SpecDecoder(model, tokenizer, build_drafter("none", model), "none", 0).generate(ids, params).token_ids
+    theirs = LlamaCppRunner(hub.pull(SMOL), list(model.config.eos_token_ids), 512, threads=1).run(ids, params)
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs.token_ids)) if a != b), len(ours))
+    assert same >= 8, (ours, theirs.token_ids)  # different rounding: near-identical, not identical
+
+
+def prompt_ids(tokenizer) -> list[int]:
+    text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
