@@ -41,20 +41,28 @@ class KernelLinear(nn.Module):
 
 
 class QuantLinear(nn.Module):
-    """A linear layer whose weight is a PackedWeight, on the integer kernel."""
+    """A linear layer whose weight is a PackedWeight, on the integer kernel. On CPUs with AVX-512 VNNI the k-quants
+    are repacked once, at load, to 16 output channels per vector (kernels/quant_c16_cpu.cpp), which keeps the cost
+    of every further token in a forward low; the row layout is then dropped unless `keep_rows` (a tied embedding
+    still looks rows up in it)."""
 
-    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, kernels) -> None:
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, kernels, keep_rows: bool = False) -> None:
         super().__init__()
-        self.packed = packed
+        f = self.format = packed.format
         self.bias = bias
-        f = packed.format
         bias32 = bias.detach().float().contiguous() if bias is not None else torch.empty(0)
-        self.linear = kernels.linear_quant
-        self.args = (*packed.tensors(), bias32, f.bits, f.superblock, f.group)  # the kernel's, resolved once
+        out_features, self.in_features = packed.shape
+        if f.superblock == 256 and out_features % 16 == 0 and kernels.c16_available():
+            self.tensors = tuple(kernels.repack_c16(*packed.tensors(), f.bits, f.group))
+            self.linear, self.args = kernels.linear_c16, (*self.tensors, bias32, f.bits, f.group)
+        else:
+            self.tensors = packed.tensors()
+            self.linear, self.args = kernels.linear_quant, (*self.tensors, bias32, f.bits, f.superblock, f.group)
+        self.packed = packed if keep_rows or self.linear == kernels.linear_quant else None
 
     @property
     def weight_bytes(self) -> int:
-        return self.packed.nbytes
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The fast path of a one-token step: no conversions when x is already contiguous float32.
@@ -116,10 +124,14 @@ def apply_packed_(model: nn.Module, packed: dict[str, PackedWeight]) -> nn.Modul
         module = modules[owner]
         if isinstance(module, nn.Embedding):
             replacement: nn.Module = QuantEmbedding(weight, model.dtype)
-        else:
-            replacement = QuantLinear(weight, module.bias, kernels)
+        else:  # a tied output matrix shares the embedding's blocks: keep their row layout for the lookups
+            replacement = QuantLinear(weight, module.bias, kernels, keep_rows=tied(packed, weight))
         setattr(modules[parent_name] if parent_name else model, child_name, replacement)
     return quantize_(model, "none")
+
+
+def tied(packed: dict[str, PackedWeight], weight: PackedWeight) -> bool:
+    return sum(other is weight for other in packed.values()) > 1
 
 
 def _kernels_for(model: nn.Module, mode: str):

@@ -149,9 +149,12 @@ def weights_bytes(method: str, models: BenchModels) -> int:
 
 
 def model_tensors(model: torch.nn.Module):
-    """Parameters, buffers, and the blocks of layers that keep their weights packed (quantize.QuantLinear)."""
+    """Parameters, buffers, and the blocks of layers that keep their weights packed (quantize.QuantLinear,
+    QuantEmbedding)."""
     yield from model.parameters()
     yield from model.buffers()
     for module in model.modules():
+        held = getattr(module, "tensors", None)
         if (packed := getattr(module, "packed", None)) is not None:
-            yield from (t for t in packed.tensors() if t.numel())
+            held = (*(held or ()), *packed.tensors())
+        yield from (t for t in held or () if isinstance(t, torch.Tensor) and t.numel())
