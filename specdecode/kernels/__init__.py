@@ -51,7 +51,9 @@ def cpu_kernels() -> ModuleType | None:
     # One build per source version and torch version; the first build takes about a minute.
     # Built for this CPU (-march=native), so the build is keyed by its flags too; at::parallel_for needs OpenMP.
     # No FMA contraction of scalar code: every instantiation of a kernel must round the same way.
-    flags = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp"]
+    # SPECDECODE_CPU_ARCH (e.g. x86-64-v3, AVX2 only) builds for a lesser CPU: to test the other paths on this one.
+    arch = os.environ.get("SPECDECODE_CPU_ARCH", "native")
+    flags = [f"-march={arch}", "-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp"]
     text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {flags_here}".encode()
     key = hashlib.sha256(text).hexdigest()[:12]
     build = cache_dir() / "kernels" / key
