@@ -69,6 +69,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def glue_kernels(q: torch.Tensor, k_cache: torch.Tensor):
+    """The native kernels where they can do an attention layer's glue: float32 on CPU, head dim a multiple of 8."""
+    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or not q.is_cpu or q.shape[-1] % 8:
+        return None
+    return cpu_kernels()
+
+
 def prefix_spans(attn_mask: torch.Tensor) -> list[int]:
     """[B, 1, T, S] mask whose rows each allow a prefix of the slots -> the prefix lengths [T]."""
     rows = attn_mask[0, 0]  # [T, S]
@@ -104,15 +111,19 @@ class Attention(nn.Module):
         row_spans: list[int] | None,  # per row: attend to slots [0, span); None = one call under attn_mask
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k_cache.index_copy_(2, write_pos, k)
-        v_cache.index_copy_(2, write_pos, v)
+        if (kernels := glue_kernels(q, k_cache)) is not None:  # rotary and cache writes in one call
+            q = kernels.rope_store(q, k, v, cos.view(B, T, -1), sin.view(B, T, -1), k_cache, v_cache, write_pos)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache.index_copy_(2, write_pos, k)
+            v_cache.index_copy_(2, write_pos, v)
         if row_spans is None:
             span = attn_mask.shape[-1]
             out = F.scaled_dot_product_attention(

@@ -97,3 +97,13 @@ def test_embedding_rows_decode_as_the_whole_matrix():
     w = packed("Q6_K", out=10, inp=256)
     rows = torch.tensor([7, 0, 7, 3])
     assert torch.equal(w.rows(rows).dequantize(), w.dequantize()[rows])
+
+
+def test_the_kernels_build_wherever_they_can():
+    """A build error must fail here, not turn every kernel test into a skip."""
+    import shutil
+
+    from specdecode.kernels import cpu_flags
+
+    if {"avx2", "fma"} <= set(cpu_flags()) and (shutil.which("c++") or shutil.which("g++")):
+        assert kernels is not None

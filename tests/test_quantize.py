@@ -82,3 +82,4 @@ def test_speculation_is_exact_for_the_target_as_run(mode):
 def test_unknown_mode_is_refused():
     with pytest.raises(Exception, match="unknown quantization"):
         quantize_(tiny_native("qwen2"), "int3")
+

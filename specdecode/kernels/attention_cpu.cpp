@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -84,5 +85,51 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
     TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "caches must be float32 or bfloat16");
     attend<at::BFloat16>(q, k_cache, v_cache, spans, out);
   }
+  return out;
+}
+
+// The glue of one attention layer in one call (a one-token step is mostly small framework operations):
+// q [B, T, H, D], k and v [B, T, Hkv, D] float32 (the projections' outputs, viewed), cos and sin [B, T, D].
+// Rotates q and k by x * cos + rotate_half(x) * sin, rounded as that eager formula rounds (two products, one sum,
+// no fused multiply-add), writes k and v into cache slots [start, start + T) of k_cache, v_cache [B, Hkv, S, D]
+// (float32) with start = slots[0], and returns q rotated as [B, H, T, D], the layout decode_attention reads.
+torch::Tensor rope_store(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
+                         torch::Tensor& v_cache, const torch::Tensor& slots) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &v, &cos, &sin, &k_cache, &v_cache})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous(), "rope_store takes contiguous float32");
+  const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3), Hkv = k.size(2), S = k_cache.size(2);
+  const int64_t start = slots.data_ptr<int64_t>()[0], half = D / 2;
+  TORCH_CHECK(start >= 0 && start + T_ <= S, "cache slots out of range");
+  auto out = torch::empty({B, H, T_, D}, q.options());
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  auto rotate = [&](const float* x, const float* cb, const float* sb, float* y) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[i] * cb[i], b = -x[i + half] * sb[i];
+      y[i] = a + b;
+    }
+    for (int64_t i = half; i < D; ++i) {
+      const float a = x[i] * cb[i], b = x[i - half] * sb[i];
+      y[i] = a + b;
+    }
+  };
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T_; ++t) {
+      const float* cb = c + (b * T_ + t) * D;
+      const float* sb = s + (b * T_ + t) * D;
+      for (int64_t h = 0; h < H; ++h) rotate(qp + ((b * T_ + t) * H + h) * D, cb, sb, op + ((b * H + h) * T_ + t) * D);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t src = ((b * T_ + t) * Hkv + h) * D, dst = ((b * Hkv + h) * S + start + t) * D;
+        rotate(kp + src, cb, sb, kc + dst);
+        std::copy(vp + src, vp + src + D, vc + dst);
+      }
+    }
   return out;
 }

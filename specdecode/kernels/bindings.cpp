@@ -19,6 +19,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                std::vector<int64_t> spans);
 
+torch::Tensor rope_store(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
+                         torch::Tensor& v_cache, const torch::Tensor& slots);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "y = x @ W^T, W float32");
   m.def("linear_bf16", &linear_bf16, "y = x @ W^T, W bfloat16");
@@ -27,5 +31,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_c16", &repack_c16, "k-quant blocks, row layout -> 16 output channels per vector");
   m.def("linear_c16", &linear_c16, "y = x @ W^T + b, k-quant W with 16 channels per vector");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32, batch-invariant");
+  m.def("rope_store", &rope_store, "rotary q and k, k and v into the cache, q as [B, H, T, D]");
   m.def("decode_attention", &decode_attention, "per-row prefix attention, batch-invariant");
 }
