@@ -23,6 +23,7 @@ from specdecode.kernels import cpu_kernels
 MODES = ("none", "q8_0", "q4_k")
 SUPERBLOCK = {"q8_0": 32, "q4_k": 256}  # the input dimension must be a whole number of these
 ALIASES = {"int8": "q8_0", "int4": "q4_k"}
+LEGACY_OFFSETS = {"q4_0": 8, "q5_0": 16, "q8_0": 128}  # w = d (code - offset); Q4_1 and Q5_1 keep a min instead
 
 
 class KernelLinear(nn.Module):
@@ -41,10 +42,10 @@ class KernelLinear(nn.Module):
 
 
 class QuantLinear(nn.Module):
-    """A linear layer whose weight is a PackedWeight, on the integer kernel. On CPUs with AVX-512 VNNI the k-quants
-    are repacked once, at load, to 16 output channels per vector (kernels/quant_c16_cpu.cpp), which keeps the cost
-    of every further token in a forward low; the row layout is then dropped unless `keep_rows` (a tied embedding
-    still looks rows up in it)."""
+    """A linear layer whose weight is a PackedWeight, on the integer kernels. On CPUs with AVX-512 VNNI the blocks
+    are repacked once, at load, to 16 output channels per vector (kernels/quant_c16_*.cpp): fewer instructions
+    per weight for one token, and a low cost for every further token in a forward. The row layout is then
+    dropped unless `keep_rows` (a tied embedding still looks rows up in it)."""
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, kernels, keep_rows: bool = False) -> None:
         super().__init__()
@@ -52,13 +53,19 @@ class QuantLinear(nn.Module):
         self.bias = bias
         bias32 = bias.detach().float().contiguous() if bias is not None else torch.empty(0)
         out_features, self.in_features = packed.shape
-        if f.superblock == 256 and out_features % 16 == 0 and kernels.c16_available():
+        c16 = out_features % 16 == 0 and kernels.c16_available()
+        if c16 and f.superblock == 256:
             self.tensors = tuple(kernels.repack_c16(*packed.tensors(), f.bits, f.group))
             self.linear, self.args = kernels.linear_c16, (*self.tensors, bias32, f.bits, f.group)
+        elif c16:  # 32-weight blocks: w = d (code - offset), or d code - dmin for Q4_1 / Q5_1 (offset 0)
+            offset = LEGACY_OFFSETS.get(f.name, 0)
+            self.tensors = tuple(kernels.repack_c16_legacy(packed.qs, packed.qh, packed.d, packed.dmin, f.bits,
+                                                           offset == 0))
+            self.linear, self.args = kernels.linear_c16_legacy, (*self.tensors, bias32, f.bits, offset)
         else:
             self.tensors = packed.tensors()
             self.linear, self.args = kernels.linear_quant, (*self.tensors, bias32, f.bits, f.superblock, f.group)
-        self.packed = packed if keep_rows or self.linear == kernels.linear_quant else None
+        self.packed = packed if keep_rows or not c16 else None
 
     @property
     def weight_bytes(self) -> int:

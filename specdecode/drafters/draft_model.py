@@ -61,6 +61,8 @@ class DraftModelDrafter:
 
     def commit(self, num_accepted: int) -> None:
         # Accepted draft tokens fed to the cache stay; rejected ones go. The last draft token was never fed.
+        if self.cache is None:  # nothing drafted yet (a request with a draft budget of 0)
+            return
         self.cache.truncate(min(self.cache.length, self.base_length + num_accepted))
 
     def _choose(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None, float]:

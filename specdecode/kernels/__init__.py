@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use for the machine they run on and cached.
 
 `cpu_kernels()` returns the compiled module (`linear_fp32`, `linear_bf16` from linear_cpu.cpp; `linear_quant` from
-quant_cpu.cpp; `linear_c16`, `repack_c16` from quant_c16_cpu.cpp; `rms_norm` from norm_cpu.cpp; `decode_attention` from attention_cpu.cpp) or
+quant_cpu.cpp; `linear_c16`, `repack_c16` from quant_c16_cpu.cpp
+(and `_legacy` from quant_c16_legacy_cpu.cpp); `rms_norm` from norm_cpu.cpp; `decode_attention` from attention_cpu.cpp) or
 None where it cannot run: no AVX2/FMA, no C++ compiler, or a build error. Callers then fall back to PyTorch's own
 kernels, which are correct but neither flat in the number of tokens nor batch-invariant on such CPUs.
 """
@@ -21,7 +22,7 @@ from types import ModuleType
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "bindings.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 
 

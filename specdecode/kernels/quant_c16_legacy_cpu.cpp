@@ -1,0 +1,208 @@
+// The 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with 16 output channels per vector, for CPUs with
+// AVX-512 VNNI: the counterpart of quant_c16_cpu.cpp's k-quants (read its header first). These are the draft
+// model's blocks, run mostly one token at a time, where quant_cpu.cpp's row kernel spends more instructions on
+// unpacking and scaling each 64-weight step than on its dot products.
+//
+// Repacked layout, per group of 16 channels (cg) and block of 32 weights (b), arrays [N / 16, K / 32, ...]:
+//   codes, 4 and 5 bits: lo, 4 vectors of 64 bytes: vector p, byte 4 c + i = code[c][8 p + i] & 15 |
+//     (code[c][8 p + 4 + i] & 15) << 4; 5 bits also hi, 1 vector: byte 4 c + i, bit j = bit 4 of code[c][4 j + i]
+//   codes, 8 bits: 8 vectors of 64 bytes, byte 4 c + i = code[c][4 j + i] + 128 (unsigned)
+//   d: [16] float16; Q4_1, Q5_1 also m: [16] float16 (w = d * code + m)
+// Q4_0, Q5_0, Q8_0 are w = d * (code - OFF) with OFF = 8, 16, 128: the offset is taken off the integer sum
+// (sum of code * x minus OFF * sum of x), exactly, before the one float multiply-add per block and row.
+// Activations: int8 per block of 32 (the row kernel's rounding), their scale, and the sum of their codes.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+// Row layout (blocks.py: 32-code nibble runs, bit planes; Q8_0 signed bytes) -> the channel layout above.
+std::vector<torch::Tensor> repack_c16_legacy(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
+                                             const torch::Tensor& dmin, int64_t bits, bool with_m) {
+  const int64_t N = d.size(0), nb = d.size(1), K = nb * 32, ng = N / 16;
+  TORCH_CHECK(N % 16 == 0, "repack_c16_legacy: N must be a multiple of 16");
+  auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
+  auto codes = torch::empty({ng, nb, bits == 8 ? 8 : 4, 64}, u8);
+  auto hi = torch::zeros({ng, nb, bits == 5 ? 1 : 0, 64}, u8);
+  auto dd = torch::empty({ng, nb, 16}, u8.dtype(torch::kFloat16));
+  auto mm = torch::empty({ng, nb, with_m ? 16 : 0}, u8.dtype(torch::kFloat16));
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const uint8_t* h = bits == 5 ? qh.data_ptr<uint8_t>() : nullptr;
+  const at::Half* d16 = d.data_ptr<at::Half>();
+  const at::Half* m16 = with_m ? dmin.data_ptr<at::Half>() : nullptr;
+  at::parallel_for(0, ng, 1, [&](int64_t first, int64_t last) {
+    for (int64_t cg = first; cg < last; ++cg)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t at = cg * nb + b;
+        uint8_t* cp = codes.data_ptr<uint8_t>() + at * (bits == 8 ? 8 : 4) * 64;
+        uint8_t* hp = bits == 5 ? hi.data_ptr<uint8_t>() + at * 64 : nullptr;
+        for (int c = 0; c < 16; ++c) {
+          const int64_t n = cg * 16 + c;
+          for (int k = 0; k < 32; ++k) {
+            const int chunk = k / 4, i = k % 4;
+            if (bits == 8) {
+              cp[chunk * 64 + 4 * c + i] = static_cast<uint8_t>(static_cast<int8_t>(q[n * K + b * 32 + k]) + 128);
+              continue;
+            }
+            const uint8_t byte = q[n * (K / 2) + b * 16 + k % 16];
+            const int code = k < 16 ? (byte & 15) : (byte >> 4);
+            uint8_t& out = cp[(chunk / 2) * 64 + 4 * c + i];
+            if (chunk % 2 == 0) out = code; else out |= code << 4;
+            if (hp != nullptr) {
+              const int high = (h[n * (K / 8) + (b * 32 + k) / 8] >> (k % 8)) & 1;
+              hp[4 * c + i] |= high << chunk;
+            }
+          }
+          dd.data_ptr<at::Half>()[at * 16 + c] = d16[n * nb + b];
+          if (with_m) mm.data_ptr<at::Half>()[at * 16 + c] = m16[n * nb + b];  // dmin = -m
+        }
+      }
+  });
+  return {codes, hi, dd, mm};
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+namespace {
+
+constexpr int kTile = 8;
+
+struct Weight {
+  const uint8_t* codes;
+  const uint8_t* hi;
+  const uint16_t* d;
+  const uint16_t* dmin;  // Q4_1, Q5_1: w = d * code - dmin
+  int64_t nb;
+};
+
+struct Acts {
+  const int8_t* q;     // [M, K]
+  const float* xd;     // [M, K / 32]
+  const int32_t* sum;  // [M, K / 32]
+  int64_t K;
+};
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int BITS>
+inline __m512i chunk_codes(const Weight& w, int64_t at, int j) {
+  if constexpr (BITS == 8) return _mm512_loadu_si512(w.codes + (at * 8 + j) * 64);
+  const __m512i packed = _mm512_loadu_si512(w.codes + (at * 4 + j / 2) * 64);
+  __m512i codes = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, _mm512_set1_epi8(0x0F));
+  if constexpr (BITS == 5) {  // bit j of each byte -> bit 4
+    const __m512i high = _mm512_loadu_si512(w.hi + at * 64);
+    const __m512i moved = j <= 4 ? _mm512_slli_epi16(high, 4 - j) : _mm512_srli_epi16(high, j - 4);
+    codes = _mm512_or_si512(codes, _mm512_and_si512(moved, _mm512_set1_epi8(0x10)));
+  }
+  return codes;
+}
+
+// OFF > 0: w = d * (code - OFF); OFF == 0: w = d * code - dmin
+template <int BITS, int OFF, int TILE>
+void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
+  constexpr int kSplit = TILE <= 4 ? 2 : 1;  // few rows: two accumulator chains, so vpdpbusd's latency overlaps
+  __m512 acc[TILE];
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const int64_t at = cg * w.nb + b;
+    if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w.codes + (at + 2) * (BITS == 8 ? 8 : 4) * 64), _MM_HINT_T0);
+    __m512i part[kSplit][TILE];
+    for (int s = 0; s < kSplit; ++s)
+      for (int t = 0; t < TILE; ++t) part[s][t] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i codes = chunk_codes<BITS>(w, at, j);
+      for (int t = 0; t < TILE; ++t)
+        part[j % kSplit][t] = _mm512_dpbusd_epi32(part[j % kSplit][t], codes, bcast4(a.q + (m0 + t) * a.K + b * 32 + 4 * j));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + at * 16)));
+    __m512 dmin;
+    if constexpr (OFF == 0) dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dmin + at * 16)));
+    for (int t = 0; t < TILE; ++t) {
+      __m512i isum = kSplit == 2 ? _mm512_add_epi32(part[0][t], part[kSplit - 1][t]) : part[0][t];
+      const int64_t blk = (m0 + t) * (a.K / 32) + b;
+      if constexpr (OFF > 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(OFF * a.sum[blk]));
+      const __m512 xd = _mm512_set1_ps(a.xd[blk]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, xd), acc[t]);
+      if constexpr (OFF == 0) acc[t] = _mm512_fnmadd_ps(dmin, _mm512_set1_ps(a.xd[blk] * static_cast<float>(a.sum[blk])), acc[t]);
+    }
+  }
+  for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(y + (m0 + t) * N + cg * 16, acc[t]);
+}
+
+using TileFn = void (*)(const Acts&, const Weight&, int64_t, int64_t, float*, int64_t);
+
+template <int BITS, int OFF, int... T>
+std::vector<TileFn> tiles(std::integer_sequence<int, T...>) {
+  return {&tile<BITS, OFF, T + 1>...};
+}
+
+// x [M, K] -> int8 codes per block of 32 (amax / 127, as quant_cpu.cpp rounds), scales, and sums of the codes.
+void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float* xd, int32_t* sum) {
+  at::parallel_for(0, M, 1, [&](int64_t first, int64_t last) {
+    for (int64_t m = first; m < last; ++m)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float* xs = x + m * K + b * 32;
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xs[i]));
+        const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
+        xd[m * (K / 32) + b] = scale;
+        int32_t s = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int8_t v = static_cast<int8_t>(std::nearbyint(xs[i] * inv));
+          q[m * K + b * 32 + i] = v;
+          s += v;
+        }
+        sum[m * (K / 32) + b] = s;
+      }
+  });
+}
+
+}  // namespace
+
+torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
+                                const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
+                                int64_t bits, int64_t offset) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), ng = codes.size(0), nb = codes.size(1), N = ng * 16;
+  TORCH_CHECK(K == nb * 32, "x has ", K, " columns, the weight ", nb * 32);
+  using Seq = std::make_integer_sequence<int, kTile>;
+  static const std::vector<TileFn> q4_0 = tiles<4, 8>(Seq{}), q4_1 = tiles<4, 0>(Seq{});
+  static const std::vector<TileFn> q5_0 = tiles<5, 16>(Seq{}), q5_1 = tiles<5, 0>(Seq{});
+  static const std::vector<TileFn> q8_0 = tiles<8, 128>(Seq{});
+  const std::vector<TileFn>* fns = nullptr;
+  if (bits == 4) fns = offset ? &q4_0 : &q4_1;
+  if (bits == 5) fns = offset ? &q5_0 : &q5_1;
+  if (bits == 8 && offset == 128) fns = &q8_0;
+  TORCH_CHECK(fns != nullptr && (offset == 0 || offset == (bits == 8 ? 128 : 1 << (bits - 1))),
+              "no kernel for bits=", bits, " offset=", offset);
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto xd = torch::empty({M, K / 32}, x.options());
+  auto sum = torch::empty({M, K / 32}, x.options().dtype(torch::kInt32));
+  quantize_acts(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), xd.data_ptr<float>(), sum.data_ptr<int32_t>());
+  const Acts a{q.data_ptr<int8_t>(), xd.data_ptr<float>(), sum.data_ptr<int32_t>(), K};
+  const Weight w{codes.data_ptr<uint8_t>(), hi.numel() ? hi.data_ptr<uint8_t>() : nullptr,
+                 reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                 dmin.numel() ? reinterpret_cast<const uint16_t*>(dmin.data_ptr()) : nullptr, nb};
+  auto y = torch::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, ng, 1, [&](int64_t first, int64_t last) {
+    for (int64_t cg = first; cg < last; ++cg)
+      for (int64_t m = 0; m < M; m += kTile) (*fns)[std::min<int64_t>(kTile, M - m) - 1](a, w, cg, m, yp, N);
+  });
+  if (bias.numel()) y.add_(bias);
+  return y;
+}
+#else
+torch::Tensor linear_c16_legacy(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t, int64_t) {
+  TORCH_CHECK(false, "linear_c16_legacy needs AVX-512 VNNI");
+}
+#endif
