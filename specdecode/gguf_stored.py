@@ -74,12 +74,14 @@ def load_stored(gguf: Path, cache: Path | None = None) -> StoredCheckpoint:
     with safe_open(folder / "model.safetensors", "pt") as file:
         formats = json.loads(file.metadata()["block_formats"])
         for key in file.keys():
-            # Read, not mapped: a fresh process must not pay page faults on its first forward.
+            # Copied out of the file's mapping: a mapped tensor is read lazily (page faults on the first forward)
+            # and keeps the whole mapping resident beside the kernels' repacked copies.
+            value = file.get_tensor(key).clone()
             name, _, field = key.rpartition(":")
             if name in formats:
-                fields.setdefault(name, {})[field] = file.get_tensor(key)
+                fields.setdefault(name, {})[field] = value
             else:
-                floats[key] = file.get_tensor(key)
+                floats[key] = value
     packed = {name: PackedWeight(FORMATS[fmt], *(fields[name].get(f, torch.empty(0, dtype=torch.uint8))
                                                  for f in PACKED_FIELDS)) for name, fmt in formats.items()}
     return StoredCheckpoint(read_config(folder), floats, packed, read_tokenizer(folder))

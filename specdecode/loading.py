@@ -133,7 +133,7 @@ def _stored(gguf, dtype: torch.dtype) -> tuple[Transformer, object]:
     with torch.device("meta"):
         model = Transformer(config)
     model.load_state_dict({name: t.to(dtype) for name, t in ckpt.floats.items()}, strict=False, assign=True)
-    packed = dict(ckpt.packed)
+    packed, ckpt.packed = ckpt.packed, {}  # consumed layer by layer below: each row layout freed once repacked
     if "lm_head.weight" not in packed and "lm_head.weight" not in ckpt.floats:  # tied: the output matrix is the
         if "model.embed_tokens.weight" in packed:  # embedding, in whichever form the file stores it
             packed["lm_head.weight"] = packed["model.embed_tokens.weight"]

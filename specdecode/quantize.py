@@ -3,10 +3,12 @@
 Decoding is memory-bound: every token reads every weight, so fewer bytes per weight is more tokens per second.
 On CPU every linear layer runs on a native kernel:
   float weights (`none`): kernels/linear_cpu.cpp, the model's own float32 or bfloat16, no copy;
-  block-quantized weights: kernels/quant_cpu.cpp, GGUF's block types (blocks.py) against activations quantized
-    per row to int8, integer dot products. A GGUF file's blocks run as stored (`apply_packed_`); a float
-    checkpoint is written in Q8_0 or Q4_K by `--quantize` (`int8`, `int4` are older names for them).
-Both kernels keep a verify forward over k + 1 tokens nearly as cheap as a one-token forward and compute every
+  block-quantized weights: GGUF's block types (blocks.py) against activations quantized per row to int8, integer
+    dot products: kernels/quant_cpu.cpp one weight row at a time (AVX2), or, on CPUs with AVX-512 VNNI,
+    kernels/quant_c16_*.cpp with 16 output channels per vector (repacked at load). A GGUF file's blocks run as
+    stored (`apply_packed_`); a float checkpoint is written in Q8_0 or Q4_K by `--quantize` (`int8`, `int4`
+    are older names for them).
+Every kernel keeps a verify forward over k + 1 tokens cheaper than k + 1 one-token forwards and computes every
 row exactly as a one-token forward would, so speculation is lossless relative to the target as run.
 Without the kernels (CUDA, CPUs without AVX2) `none` keeps PyTorch's nn.Linear and quantization is refused.
 """
@@ -122,23 +124,22 @@ def quantize_(model: nn.Module, mode: str) -> nn.Module:
 
 def apply_packed_(model: nn.Module, packed: dict[str, PackedWeight]) -> nn.Module:
     """Replace the linear layers and embedding named in `packed` (HF parameter names, '.weight' included)
-    by their block-quantized forms; every other linear goes on the float kernel. In place."""
+    by their block-quantized forms; every other linear goes on the float kernel. In place. `packed` is emptied
+    as it goes, so a layer's row layout can be freed as soon as it is repacked (peak memory: one copy, not two)."""
     kernels = _kernels_for(model, "stored")
     modules = dict(model.named_modules())
-    for name, weight in packed.items():
-        owner, _, leaf = name.rpartition(".")
+    shared = {id(w) for w in packed.values() if sum(other is w for other in packed.values()) > 1}
+    while packed:
+        name, weight = packed.popitem()
+        owner = name.rpartition(".")[0]
         parent_name, _, child_name = owner.rpartition(".")
         module = modules[owner]
         if isinstance(module, nn.Embedding):
             replacement: nn.Module = QuantEmbedding(weight, model.dtype)
         else:  # a tied output matrix shares the embedding's blocks: keep their row layout for the lookups
-            replacement = QuantLinear(weight, module.bias, kernels, keep_rows=tied(packed, weight))
+            replacement = QuantLinear(weight, module.bias, kernels, keep_rows=id(weight) in shared)
         setattr(modules[parent_name] if parent_name else model, child_name, replacement)
     return quantize_(model, "none")
-
-
-def tied(packed: dict[str, PackedWeight], weight: PackedWeight) -> bool:
-    return sum(other is weight for other in packed.values()) > 1
 
 
 def _kernels_for(model: nn.Module, mode: str):
