@@ -26,6 +26,8 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int kTile = 8;  // activation rows per pass over a channel group: 3 accumulators each, in 32 registers
@@ -199,14 +201,8 @@ std::vector<TileFn> tiles(std::integer_sequence<int, T...>) {
 void quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* xd, int32_t* pairs) {
   at::parallel_for(0, M, 1, [&](int64_t first, int64_t last) {
     for (int64_t m = first; m < last; ++m) {
-      for (int64_t sb = 0; sb < K / 256; ++sb) {
-        const float* xs = x + m * K + sb * 256;
-        float amax = 0.f;
-        for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(xs[i]));
-        const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
-        xd[m * (K / 256) + sb] = scale;
-        for (int i = 0; i < 256; ++i) q[m * K + sb * 256 + i] = static_cast<int8_t>(std::nearbyint(xs[i] * inv));
-      }
+      for (int64_t sb = 0; sb < K / 256; ++sb)
+        xd[m * (K / 256) + sb] = specdecode::quantize_block(x + m * K + sb * 256, 256, q + m * K + sb * 256);
       for (int64_t p = 0; p < K / G / 2; ++p) {
         int32_t s0 = 0, s1 = 0;
         for (int i = 0; i < G; ++i) s0 += q[m * K + 2 * p * G + i], s1 += q[m * K + (2 * p + 1) * G + i];

@@ -21,6 +21,8 @@
 #include <utility>
 #include <vector>
 
+#include "simd.h"
+
 // Row layout (blocks.py: 32-code nibble runs, bit planes; Q8_0 signed bytes) -> the channel layout above.
 std::vector<torch::Tensor> repack_c16_legacy(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
                                              const torch::Tensor& dmin, int64_t bits, bool with_m) {
@@ -149,17 +151,10 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float* xd, i
   at::parallel_for(0, M, 1, [&](int64_t first, int64_t last) {
     for (int64_t m = first; m < last; ++m)
       for (int64_t b = 0; b < K / 32; ++b) {
-        const float* xs = x + m * K + b * 32;
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xs[i]));
-        const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
-        xd[m * (K / 32) + b] = scale;
+        int8_t* qb = q + m * K + b * 32;
+        xd[m * (K / 32) + b] = specdecode::quantize_block(x + m * K + b * 32, 32, qb);
         int32_t s = 0;
-        for (int i = 0; i < 32; ++i) {
-          const int8_t v = static_cast<int8_t>(std::nearbyint(xs[i] * inv));
-          q[m * K + b * 32 + i] = v;
-          s += v;
-        }
+        for (int i = 0; i < 32; ++i) s += qb[i];
         sum[m * (K / 32) + b] = s;
       }
   });

@@ -373,15 +373,8 @@ const Kernel* pick(const QuantWeight& w, bool has_min) {
 void quantize_acts(const float* x, int64_t M, int64_t K, int64_t S, int8_t* q, float* d, int16_t* sums) {
   at::parallel_for(0, M, 1, [&](int64_t first, int64_t last) {
     for (int64_t m = first; m < last; ++m) {
-      for (int64_t sb = 0; sb < K / S; ++sb) {
-        const float* xs = x + m * K + sb * S;
-        float amax = 0.f;
-        for (int64_t i = 0; i < S; ++i) amax = std::max(amax, std::fabs(xs[i]));
-        const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
-        d[m * (K / S) + sb] = scale;
-        int8_t* qs = q + m * K + sb * S;
-        for (int64_t i = 0; i < S; ++i) qs[i] = static_cast<int8_t>(std::nearbyint(xs[i] * inv));
-      }
+      for (int64_t sb = 0; sb < K / S; ++sb)
+        d[m * (K / S) + sb] = specdecode::quantize_block(x + m * K + sb * S, S, q + m * K + sb * S);
       for (int64_t b = 0; b < K / 16; ++b) {
         int32_t s = 0;
         for (int i = 0; i < 16; ++i) s += q[m * K + 16 * b + i];

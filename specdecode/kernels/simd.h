@@ -3,6 +3,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace specdecode {
@@ -19,6 +21,16 @@ inline float lane_sum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                          // + (i + 2)
   s = _mm_add_ss(s, _mm_movehdup_ps(s));                                           // + (i + 1)
   return _mm_cvtss_f32(s);
+}
+
+// x[0, n) -> int8 codes round(x / scale) with scale = amax / 127 (0 for a block of zeros): the one activation
+// rounding of every integer kernel, so that any of them computes the same model. Returns the scale.
+inline float quantize_block(const float* x, int64_t n, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  return scale;
 }
 
 }  // namespace specdecode
