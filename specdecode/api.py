@@ -20,7 +20,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafters import DRAFTERS
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import LoadPlan, load_model, load_tokenizer, plan_load
+from specdecode.loading import load_model, load_tokenizer, plan_load
 from specdecode.stats import GenerationStats
 from specdecode.text import TextStream
 
@@ -59,7 +59,6 @@ class SpecDecoder:
                  max_len: int = 8192) -> None:
         self.tokenizer = tokenizer
         self.method = method
-        self.plan: LoadPlan | None = None  # how load() ran the models, for reports
         self.engine = Engine(target, drafter, num_draft_tokens, max_len)
 
     @classmethod
@@ -83,9 +82,7 @@ class SpecDecoder:
         k = DEFAULT_NUM_DRAFT_TOKENS[method] if num_draft_tokens is None else num_draft_tokens
         if k < 0:
             raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {k}")
-        decoder = cls(model, tokenizer, drafter, method, k, max_len)
-        decoder.plan = plan
-        return decoder
+        return cls(model, tokenizer, drafter, method, k, max_len)
 
     @property
     def stats(self) -> GenerationStats:

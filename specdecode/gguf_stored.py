@@ -104,10 +104,11 @@ def unpack_gguf(gguf: Path, out: Path) -> None:
             continue
         type_name = t.tensor_type.name
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
+        kind = name.rpartition(".")[0].rpartition(".")[2]  # e.g. q_proj
         if type_name.lower() in FORMATS and len(shape) == 2:
             packed = guard_gguf(gguf, lambda: from_gguf(type_name, t.data, shape))
-            if name.rpartition(".")[0].rpartition(".")[2] in permute:
-                packed = with_rows(packed, permute[name.rpartition(".")[0].rpartition(".")[2]])
+            if kind in permute:
+                packed = with_rows(packed, permute[kind])
             formats[name] = packed.format.name
             for field in PACKED_FIELDS:
                 if (value := getattr(packed, field)).numel():
@@ -118,7 +119,6 @@ def unpack_gguf(gguf: Path, out: Path) -> None:
             log.warning("specdecode: GGUF block type %s has no integer kernel; running it de-quantized", type_name)
         values = np.asarray(t.data) if type_name in FLOAT_TYPES else dequantize(t.data, t.tensor_type)
         value = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
-        kind = name.rpartition(".")[0].rpartition(".")[2]
         tensors[name] = value[permute[kind]] if kind in permute else value
     expected = set(skeleton.state_dict()) - {"lm_head.weight"}
     if missing := sorted(expected - set(formats) - set(tensors)):

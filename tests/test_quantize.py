@@ -83,3 +83,14 @@ def test_unknown_mode_is_refused():
     with pytest.raises(Exception, match="unknown quantization"):
         quantize_(tiny_native("qwen2"), "int3")
 
+
+
+@pytest.mark.parametrize("mode", ["q8_0", "q4_k"])
+def test_sampling_self_draft_on_blocks_is_always_accepted(mode):
+    """Under sampling a draft accepted with probability min(1, p / q): drafting with the target itself on the
+    integer kernels must give p == q bit for bit at every position, so every draft token is kept."""
+    target = quantize_(tiny_native("qwen2", seed=0, **WIDE), mode)
+    engine = Engine(target, DraftModelDrafter(target, vocab_size=64), num_draft_tokens=4)
+    params = SamplingParams(max_new_tokens=32, temperature=0.8, seed=3)
+    tokens = [t for s in engine.generate([1, 2, 3, 4], params) for t in s.tokens]
+    assert len(tokens) == 32 and engine.stats.drafted_tokens > 0 and engine.stats.acceptance_rate == 1.0

@@ -321,40 +321,25 @@ struct Kernel {
   TileFn tiles[kMaxTile];  // tiles[t - 1]: the tile for t activation rows
 };
 
-template <template <int> class Tile, int... T>
-Kernel make_kernel(std::integer_sequence<int, T...>) {
-  return Kernel{{&Tile<T + 1>::run...}};
+template <int BITS, int G, int... T>
+Kernel k_kernel(std::integer_sequence<int, T...>) {
+  return Kernel{{&tile_k<BITS, G, T + 1>...}};
 }
 
-template <int BITS, int G>
-struct KTile {
-  template <int TILE>
-  struct At {
-    static void run(const QuantActs& a, const QuantWeight& w, float* y, int64_t N, int64_t n, int64_t m0) {
-      tile_k<BITS, G, TILE>(a, w, y, N, n, m0);
-    }
-  };
-};
-
-template <int BITS, bool MIN>
-struct LegacyTile {
-  template <int TILE>
-  struct At {
-    static void run(const QuantActs& a, const QuantWeight& w, float* y, int64_t N, int64_t n, int64_t m0) {
-      tile_legacy<BITS, MIN, TILE>(a, w, y, N, n, m0);
-    }
-  };
-};
+template <int BITS, bool MIN, int... T>
+Kernel legacy_kernel(std::integer_sequence<int, T...>) {
+  return Kernel{{&tile_legacy<BITS, MIN, T + 1>...}};
+}
 
 // The kernels that exist: one per (bits, superblock, sub-block, mins) that a block type maps to.
 const Kernel* pick(const QuantWeight& w, bool has_min) {
   using Tiles = std::make_integer_sequence<int, kMaxTile>;
-  static const Kernel q4 = make_kernel<LegacyTile<4, true>::At>(Tiles{});   // Q4_0, Q4_1
-  static const Kernel q5 = make_kernel<LegacyTile<5, true>::At>(Tiles{});   // Q5_0, Q5_1
-  static const Kernel q8 = make_kernel<LegacyTile<8, false>::At>(Tiles{});  // Q8_0
-  static const Kernel q4k = make_kernel<KTile<4, 32>::At>(Tiles{});         // Q4_K
-  static const Kernel q5k = make_kernel<KTile<5, 32>::At>(Tiles{});         // Q5_K
-  static const Kernel q6k = make_kernel<KTile<6, 16>::At>(Tiles{});         // Q6_K
+  static const Kernel q4 = legacy_kernel<4, true>(Tiles{});   // Q4_0, Q4_1
+  static const Kernel q5 = legacy_kernel<5, true>(Tiles{});   // Q5_0, Q5_1
+  static const Kernel q8 = legacy_kernel<8, false>(Tiles{});  // Q8_0
+  static const Kernel q4k = k_kernel<4, 32>(Tiles{});         // Q4_K
+  static const Kernel q5k = k_kernel<5, 32>(Tiles{});         // Q5_K
+  static const Kernel q6k = k_kernel<6, 16>(Tiles{});         // Q6_K
   const bool sub = w.scales != nullptr;
   if (w.S == 32 && !sub) {
     if (w.bits == 4 && has_min) return &q4;
