@@ -4,21 +4,27 @@ For each mismatch it prints where the outputs diverge and the target's top-2 log
 decoding: a tiny margin means a genuine near-tie that a (k+1)-token verify forward rounded the other way; a large
 one would be a bookkeeping bug.
 
-    python scripts/exactness.py --dtype float32 --limit 4 --max-new-tokens 64
+    python scripts/exactness.py --weights stored --limit 4 --max-new-tokens 64
+    python scripts/exactness.py --weights float --dtype bfloat16 --methods draft-tree,ngram-tree
+
+Each method runs its default (automatic) draft size, chosen from this machine's verify cost curve.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.api import DEFAULT_DRAFT, DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_TARGET
-from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
-from specdecode.loading import load_model, resolve_dtype
+from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, build_drafter
+from specdecode.bench.loaders import drafter_and_shape
+from specdecode.budget import load_or_measure
+from specdecode.drafters import NoDrafter
+from specdecode.loading import load_model, plan_load
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -49,34 +55,54 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--draft", default=DEFAULT_DRAFT)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weights", default="auto", choices=["auto", "stored", "float"])
+    ap.add_argument("--methods", default="draft-chain,draft-tree,ngram-chain,ngram-tree")
     ap.add_argument("--limit", type=int, default=4, help="prompts per dev set")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
-    dtype = resolve_dtype(args.dtype)
-    target, tok = load_model(args.target, dtype)
-    draft, _ = load_model(args.draft, dtype)
-    methods = {"draft": DraftModelDrafter(draft, vocab_size=target.config.vocab_size), "ngram": NgramDrafter()}
+    plan = plan_load(args.target, args.draft, args.dtype, "cpu", weights=args.weights)
+    target, tok = load_model(args.target, plan.dtype, "cpu", plan.quantize, plan.weights)
+    draft, _ = load_model(args.draft, plan.dtype, "cpu", plan.draft_quantize, plan.draft_weights)
+    costs = load_or_measure(target, f"{args.target} | {plan.describe()} | cpu")
+    methods = {}
+    for method in args.methods.split(","):
+        name, shape = drafter_and_shape(method)
+        methods[method] = SpecDecoder(target, tok, build_drafter(name, target, draft, 3, shape), method, None,
+                                      costs=costs)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     total = mismatches = 0
-    print(f"target {args.target}, draft {args.draft}, dtype {args.dtype}, greedy, {args.max_new_tokens} new tokens")
+    seconds = {m: 0.0 for m in ["none", *methods]}
+    tokens = {m: 0 for m in seconds}
+    print(f"target {args.target}, draft {args.draft}, {plan.describe()}, greedy, {args.max_new_tokens} new tokens")
+    print("verify cost / one token, m = 1..16: " + " ".join(f"{r:.2f}" for r in costs.ratios()))
     for name, prompt, chat in prompts(args.limit):
         margins: list[float] = []
         watch = record_margins(target, margins)  # only while decoding plainly
+        start = time.perf_counter()
         plain = SpecDecoder(target, tok, NoDrafter(), "none", 0).generate(prompt, params, chat=chat).token_ids
+        seconds["none"] += time.perf_counter() - start
+        tokens["none"] += len(plain)
         watch.remove()
-        for method, drafter in methods.items():
+        for method, decoder in methods.items():
             total += 1
-            got = SpecDecoder(target, tok, drafter, method, DEFAULT_NUM_DRAFT_TOKENS[method]).generate(
-                prompt, params, chat=chat).token_ids
+            start = time.perf_counter()
+            out = decoder.generate(prompt, params, chat=chat)
+            seconds[method] += time.perf_counter() - start
+            tokens[method] += len(out.token_ids)
+            got, s = out.token_ids, out.stats
+            facts = f"accepted len {s.mean_accepted_length:.2f}, nodes/step {s.nodes_per_step:.1f}"
             if got == plain:
-                print(f"{name:14s} {method:6s} identical ({len(got)} tokens)")
+                print(f"{name:14s} {method:12s} identical ({len(got)} tokens; {facts})")
                 continue
             mismatches += 1
             pos = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), min(len(got), len(plain)))
-            print(f"{name:14s} {method:6s} DIFFERS at new token {pos}: plain top-2 margin {margins[pos]:.4f} "
+            print(f"{name:14s} {method:12s} DIFFERS at new token {pos}: plain top-2 margin {margins[pos]:.4f} "
                   f"(median margin {sorted(margins)[len(margins) // 2]:.2f})")
     print(f"{total - mismatches}/{total} outputs token-identical to plain decoding")
+    base = tokens["none"] / seconds["none"]
+    print("tok/s: " + ", ".join(f"{m} {tokens[m] / seconds[m]:.1f} ({tokens[m] / seconds[m] / base:.2f}x)"
+                                for m in seconds))
 
 
 if __name__ == "__main__":

@@ -16,21 +16,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.budget import CostCurve, load_or_measure
 from specdecode.config import SamplingParams
 from specdecode.drafters import DRAFTERS
+from specdecode.drafters.draft_model import TREE_WIDTH
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import load_model, load_tokenizer, plan_load
+from specdecode.model import Transformer
 from specdecode.stats import GenerationStats
 from specdecode.text import TextStream
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-# Draft tokens per step when the user gives none; tuned on dev prompts (see BENCHMARKS.md). The draft model
-# drafts up to 5 but stops as soon as its own top probability falls below 0.5 (adaptive length). With weights as
-# stored a draft token costs about half a target token, so shorter drafts pay: k = 4-5 beat 8 in both sweeps.
-DEFAULT_NUM_DRAFT_TOKENS = {"none": 0, "draft": 5, "ngram": 4}
+# The draft size is chosen per step from this machine's verify cost curve (budget.py) unless the user fixes it.
+# With a fixed size the draft model stops a chain early once its own top probability falls below this.
 DRAFT_MIN_CONFIDENCE = 0.5
+DRAFT_SHAPES = ("chain", "tree")
+DEFAULT_DRAFT_SHAPE = "tree"
+NGRAM_TREE_BRANCHES = 4  # earlier matches merged into an n-gram tree
 
 
 @dataclass
@@ -55,22 +59,26 @@ class Generation:
 
 
 class SpecDecoder:
-    def __init__(self, target: torch.nn.Module, tokenizer, drafter, method: str, num_draft_tokens: int,
-                 max_len: int = 8192) -> None:
+    def __init__(self, target: torch.nn.Module, tokenizer, drafter, method: str, num_draft_tokens: int | None,
+                 max_len: int = 8192, costs: CostCurve | None = None) -> None:
         self.tokenizer = tokenizer
         self.method = method
-        self.engine = Engine(target, drafter, num_draft_tokens, max_len)
+        self.engine = Engine(target, drafter, num_draft_tokens, max_len, costs)
 
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = "draft",
              num_draft_tokens: int | None = None, dtype: str = "auto", device: str = "cpu",
              max_len: int = 8192, max_ngram: int = 3, quantize: str = "none",
-             draft_quantize: str = "auto", weights: str = "auto") -> SpecDecoder:
+             draft_quantize: str = "auto", weights: str = "auto", draft_shape: str = DEFAULT_DRAFT_SHAPE) -> SpecDecoder:
         """`weights` = 'auto' runs a GGUF file's quantized blocks as stored on CPU (the model llama.cpp runs),
         'float' de-quantizes it to `dtype`. `quantize` writes a float target in blocks (q8_0, q4_k; the output
-        stays exact for that target); `draft_quantize` only changes how good and how cheap the guesses are."""
+        stays exact for that target); `draft_quantize` only changes how good and how cheap the guesses are.
+        `num_draft_tokens` None chooses the draft size per step from what a verify forward costs on this machine
+        (measured once and cached); `draft_shape` 'tree' drafts several guesses per position, 'chain' one."""
         if method not in DRAFTERS:
             raise SpecdecodeError(f"unknown method '{method}': choose one of {', '.join(DRAFTERS)}")
+        if draft_shape not in DRAFT_SHAPES:
+            raise SpecdecodeError(f"unknown draft shape '{draft_shape}': choose one of {', '.join(DRAFT_SHAPES)}")
         draft = (draft or DEFAULT_DRAFT) if method == "draft" else None
         plan = plan_load(target, draft, dtype, device, quantize, draft_quantize, weights)
         model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
@@ -78,11 +86,14 @@ class SpecDecoder:
         if draft is not None:
             check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
             draft_model, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
-        drafter = build_drafter(method, model, draft_model, max_ngram)
-        k = DEFAULT_NUM_DRAFT_TOKENS[method] if num_draft_tokens is None else num_draft_tokens
-        if k < 0:
-            raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {k}")
-        return cls(model, tokenizer, drafter, method, k, max_len)
+        if draft_shape == "tree" and not isinstance(model, Transformer):
+            draft_shape = "chain"  # trees need the native model's tree attention; transformers' verify chains
+        drafter = build_drafter(method, model, draft_model, max_ngram, draft_shape)
+        if num_draft_tokens is not None and num_draft_tokens < 0:
+            raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        k = 0 if method == "none" else num_draft_tokens
+        costs = load_or_measure(model, f"{target} | {plan.describe()} | {device}") if k is None else None
+        return cls(model, tokenizer, drafter, method, k, max_len, costs)
 
     @property
     def stats(self) -> GenerationStats:
@@ -131,12 +142,14 @@ class SpecDecoder:
 
 
 def build_drafter(method: str, target: torch.nn.Module, draft_model: torch.nn.Module | None = None,
-                  max_ngram: int = 3):
+                  max_ngram: int = 3, shape: str = DEFAULT_DRAFT_SHAPE):
     """The drafter for `method` over already-loaded models, with the library's defaults."""
+    tree = shape == "tree"
     if method == "draft":
-        return DRAFTERS[method](draft_model, vocab_size=target.config.vocab_size, min_confidence=DRAFT_MIN_CONFIDENCE)
+        return DRAFTERS[method](draft_model, vocab_size=target.config.vocab_size, min_confidence=DRAFT_MIN_CONFIDENCE,
+                                width=TREE_WIDTH if tree else 1)
     if method == "ngram":
-        return DRAFTERS[method](max_ngram=max_ngram)
+        return DRAFTERS[method](max_ngram=max_ngram, branches=NGRAM_TREE_BRANCHES if tree else 1)
     return DRAFTERS[method]()
 
 

@@ -1,8 +1,11 @@
 """The speculative decoding loop: prefill, then propose -> verify -> commit until a stop.
 
 Each decode step feeds the target the last committed token (the root) followed by the draft, all in one forward
-at explicit positions; the verifier keeps a prefix of the draft and adds one token of the target's own; the cache
-is truncated to the kept prefix by absolute length. Invariant between steps, asserted in the tests:
+at explicit positions (a tree's nodes sit at their depth, under a mask that shows each node its ancestors only);
+the verifier keeps a path of the draft and adds one token of the target's own; the cache keeps the root and the
+accepted path (a chain's prefix by truncation, a tree's path moved into contiguous slots). When the draft size is
+automatic, the budget chooser (budget.py) first keeps the draft's best nodes for this machine's verify costs.
+Invariant between steps, asserted in the tests:
     cache.length == len(tokens) - 1      (the last token is emitted but not yet fed)
 The engine knows token ids only; text, stop strings and chat templates live one layer up (api.py).
 """
@@ -16,12 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.config import SamplingParams
+from specdecode.budget import CostCurve
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.errors import SpecdecodeError
-from specdecode.masks import chain_mask
+from specdecode.masks import chain_mask, depths, tree_mask
 from specdecode.sampling import make_generator, sample, to_probs
 from specdecode.stats import GenerationStats
-from specdecode.verify import verify_chain
+from specdecode.verify import verify_chain, verify_tree
+
+MAX_AUTO_NODES = 16  # the most draft tokens an automatic budget may verify (the measured cost curve's end)
 
 
 @dataclass(slots=True)
@@ -33,11 +39,13 @@ class Step:
 
 
 class Engine:
-    def __init__(self, target: torch.nn.Module, drafter: Drafter, num_draft_tokens: int = 4,
-                 max_len: int = 8192) -> None:
+    def __init__(self, target: torch.nn.Module, drafter: Drafter, num_draft_tokens: int | None = 4,
+                 max_len: int = 8192, costs: CostCurve | None = None) -> None:
+        """`num_draft_tokens` None = automatic: up to MAX_AUTO_NODES, cut by the chooser from `costs`."""
         self.target = target
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
+        self.costs = costs
         self.max_len = min(max_len, target.max_context)
         self.cache = None  # allocated on first use, reused across requests
         self.stats = GenerationStats()  # of the request in progress, or the last one
@@ -46,7 +54,7 @@ class Engine:
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  num_draft_tokens: int | None = None) -> Iterator[Step]:
         """Yield one Step per target forward; the first comes from prefill. Stats land in `self.stats`.
-        `num_draft_tokens` overrides the engine's default draft length for this request."""
+        `num_draft_tokens` overrides the engine's draft size for this request (None = the engine's)."""
         if not prompt_ids:
             raise SpecdecodeError("the prompt is empty: give at least one token")
         if len(prompt_ids) >= self.max_len:
@@ -55,10 +63,12 @@ class Engine:
                 "shorten the prompt or raise max_len"
             )
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        if k is None and self.costs is None:
+            raise SpecdecodeError("an automatic draft size needs the verify cost curve: give num_draft_tokens")
         return self._run(list(prompt_ids), params, k)
 
     @torch.inference_mode()
-    def _run(self, tokens: list[int], params: SamplingParams, num_draft_tokens: int) -> Iterator[Step]:
+    def _run(self, tokens: list[int], params: SamplingParams, num_draft_tokens: int | None) -> Iterator[Step]:
         if self.cache is None:
             self.cache = self.target.new_cache(1, self.max_len)
         cache, drafter = self.cache, self.drafter
@@ -66,6 +76,9 @@ class Engine:
         drafter.reset()
         self.tokens = tokens
         stats = self.stats = GenerationStats(prompt_tokens=len(tokens))
+        auto = num_draft_tokens is None
+        stats.draft_budget = "auto" if auto else num_draft_tokens
+        stats.verify_costs = self.costs if auto else None
         generator = None if params.greedy else make_generator(params.seed, self.target.device)
         eos = set() if params.ignore_eos else set(self.target.config.eos_token_ids)
         start = time.perf_counter()
@@ -78,15 +91,23 @@ class Engine:
         yield step
         while step.finish_reason is None:
             t0 = time.perf_counter()
-            budget = min(num_draft_tokens, params.max_new_tokens - stats.new_tokens - 1,
-                         self.max_len - len(tokens) - 1)
-            ctx = DraftContext(tokens, params, generator, hidden)
-            draft = drafter.propose(ctx, budget) if budget > 0 else Draft.empty()
-            emitted, num_accepted, hidden = self._verify(tokens[-1], draft, params, generator)
-            drafter.commit(num_accepted)
-            step = self._finish(emitted, len(draft), num_accepted, tokens, params, eos)
+            # A budget larger than the room left is cut, never an error: nodes need cache slots, and a path
+            # longer than the tokens still to generate would be cut after verification.
+            budget = min(MAX_AUTO_NODES if auto else num_draft_tokens, self.max_len - len(tokens) - 1)
+            depth_room = params.max_new_tokens - stats.new_tokens - 1
+            ctx = DraftContext(tokens, params, generator, hidden, self.costs if auto else None, depth_room)
+            draft = drafter.propose(ctx, budget) if budget > 0 and depth_room > 0 else Draft.empty()
+            draft.check()
+            draft = draft.within_depth(depth_room)
+            if auto and draft.scores and len(draft):
+                ranked = sorted(draft.scores, reverse=True)
+                draft = draft.best(self.costs.best_count(ranked, time.perf_counter() - t0))
+            emitted, accepted, hidden = self._verify(tokens[-1], draft, params, generator)
+            drafter.commit(draft.as_proposed(accepted))
+            step = self._finish(emitted, len(draft), len(accepted), tokens, params, eos)
             now = time.perf_counter()
-            stats.record_step(len(draft), num_accepted, len(step.tokens), now - t0)
+            stats.record_step(len(draft), len(accepted), len(step.tokens), now - t0,
+                              depth=int(depths(draft.parents).max()) if len(draft) else 0)
             stats.wall_s = now - start
             yield step
 
@@ -102,20 +123,36 @@ class Engine:
         return token, hidden[0, -1:]
 
     def _verify(self, root: int, draft: Draft, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[list[int], int, torch.Tensor]:
-        """One target forward over [root, *draft]; -> (emitted tokens, number accepted, their hidden states)."""
+                generator: torch.Generator | None) -> tuple[list[int], list[int], torch.Tensor]:
+        """One target forward over [root, *draft]; -> (emitted tokens, accepted nodes, their hidden states)."""
         device = self.target.device
         start, n = self.cache.length, len(draft)
-        if n > 1 and not torch.equal(draft.parents.cpu(), torch.arange(-1, n - 1)):
-            raise NotImplementedError("this engine verifies chains; tree drafts need tree verification")
         ids = torch.cat((torch.tensor([root], device=device), draft.tokens.to(device)))[None]  # [1, n + 1]
-        positions = torch.arange(start, start + n + 1, device=device)[None]
-        # decode=True: every row as a one-token forward computes it, so `none` and every drafter agree bit for bit.
-        logits, hidden = self.target(ids, positions, self.cache, chain_mask(start, n + 1, device), decode=True)
-        verdict = verify_chain(logits[0], draft.tokens.to(device), draft.probs, params, generator)
-        # Valid now: the root and the accepted draft tokens. The emitted last token is fed next step.
-        self.cache.truncate(start + 1 + verdict.num_accepted)
-        return verdict.emitted.tolist(), verdict.num_accepted, hidden[0, : verdict.num_accepted + 1]
+        chain = draft.is_chain
+        if chain:
+            positions = torch.arange(start, start + n + 1, device=device)[None]
+            mask = chain_mask(start, n + 1, device)
+        else:  # a node's rotary position is its depth; it sees the prefix, the root and its own ancestors
+            parents = draft.parents.to(device)
+            positions = (start + torch.cat((torch.zeros(1, dtype=torch.long, device=device), depths(parents))))[None]
+            mask = tree_mask(start, parents)
+        # decode=True: every row as a one-token forward of its path computes it, so `none` and every drafter
+        # agree bit for bit.
+        logits, hidden = self.target(ids, positions, self.cache, mask, decode=True)
+        if chain:
+            verdict = verify_chain(logits[0], draft.tokens.to(device), draft.probs, params, generator)
+        else:
+            verdict = verify_tree(logits[0], draft.tokens.to(device), draft.parents.tolist(), draft.probs, params,
+                                  generator)
+        accepted = verdict.accepted_nodes
+        # Valid now: the root and the accepted nodes. The emitted last token is fed next step.
+        if accepted == list(range(len(accepted))):
+            self.cache.truncate(start + 1 + len(accepted))  # a prefix of the draft sits in place already
+        else:
+            self.cache.truncate(start + 1)
+            self.cache.keep(torch.tensor(accepted, device=device) + start + 1)
+        rows = torch.tensor([0] + [node + 1 for node in accepted], device=device)
+        return verdict.emitted.tolist(), accepted, hidden[0, rows]
 
     def _finish(self, emitted: list[int], num_drafted: int, num_accepted: int, tokens: list[int],
                 params: SamplingParams, eos: set[int]) -> Step:

@@ -18,6 +18,7 @@ forward's logits equal one-token forwards bit for bit.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -76,13 +77,33 @@ def glue_kernels(q: torch.Tensor, k_cache: torch.Tensor):
     return cpu_kernels()
 
 
-def prefix_spans(attn_mask: torch.Tensor) -> list[int]:
-    """[B, 1, T, S] mask whose rows each allow a prefix of the slots -> the prefix lengths [T]."""
+@dataclass(slots=True)
+class RowSlots:
+    """The cache slots each query row of a decode step attends to: [0, spans[t]), then extras[t] in order."""
+
+    spans: list[int]
+    extras: list[list[int]]  # empty for a chain: every row's slots are a prefix
+
+    def slots(self, t: int, device: torch.device) -> torch.Tensor:
+        head = torch.arange(self.spans[t], device=device)
+        return torch.cat((head, torch.tensor(self.extras[t], dtype=torch.long, device=device))) if self.extras else head
+
+
+def row_slots(attn_mask: torch.Tensor) -> RowSlots:
+    """[B, 1, T, S] mask (shared by the batch) -> each row's slots: the leading run of allowed slots, then the rest
+    in ascending order. A tree node's ancestors ascend along its path, so that order is the path's order: the row
+    attends over exactly the slots, in exactly the order, a one-token forward of that path would."""
     rows = attn_mask[0, 0]  # [T, S]
-    spans = rows.sum(-1)  # [T]
-    if not torch.equal(rows, torch.arange(rows.shape[-1], device=rows.device) < spans[:, None]):
-        raise NotImplementedError("exact decode steps take chain masks; tree verification needs per-row gathers")
-    return spans.tolist()
+    spans = rows.int().cumprod(-1).sum(-1)  # [T] length of each row's leading run
+    leading = torch.arange(rows.shape[-1], device=rows.device) < spans[:, None]
+    rest = rows & ~leading
+    if not bool(rest.any()):
+        return RowSlots(spans.tolist(), [])
+    row_of, slot = rest.nonzero(as_tuple=True)
+    extras: list[list[int]] = [[] for _ in range(rows.shape[0])]
+    for r, s in zip(row_of.tolist(), slot.tolist()):
+        extras[r].append(s)
+    return RowSlots(spans.tolist(), extras)
 
 
 class Attention(nn.Module):
@@ -108,7 +129,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [B, kv_heads, max_len, hd]
         write_pos: torch.Tensor,  # [T] cache slots of the new tokens
         attn_mask: torch.Tensor,  # [B, 1, T, S]
-        row_spans: list[int] | None,  # per row: attend to slots [0, span); None = one call under attn_mask
+        rows: RowSlots | None,  # the slots each row attends to, one row at a time; None = one call under attn_mask
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
@@ -124,20 +145,28 @@ class Attention(nn.Module):
             k = k * cos + rotate_half(k) * sin
             k_cache.index_copy_(2, write_pos, k)
             v_cache.index_copy_(2, write_pos, v)
-        if row_spans is None:
+        if rows is None:
             span = attn_mask.shape[-1]
             out = F.scaled_dot_product_attention(
                 q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=attn_mask, enable_gqa=True
             )  # [B, H, T, hd]
         elif (kernels := cpu_kernels() if x.device.type == "cpu" and self.head_dim % 8 == 0 else None) is not None:
             # Each row by one fixed sequence of operations whatever T is: rows agree bit for bit with T = 1.
-            out = kernels.decode_attention(q.float().contiguous(), k_cache, v_cache, row_spans).to(x.dtype)
-        else:  # one query per call, exactly the call a one-token forward makes, so rows agree bit for bit
+            out = kernels.decode_attention(q.float().contiguous(), k_cache, v_cache, rows.spans, rows.extras)
+            out = out.to(x.dtype)
+        elif not rows.extras:  # one query per call, exactly the call a one-token forward makes: rows agree bit for bit
             out = torch.cat([
                 F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, :span], v_cache[:, :, :span],
                                                enable_gqa=True)
-                for j, span in enumerate(row_spans)
+                for j, span in enumerate(rows.spans)
             ], dim=2)  # fmt: skip
+        else:  # tree rows gather their slots: the same values as a one-token forward, maybe not the same last bits
+            parts = []
+            for j in range(q.shape[2]):
+                slots = rows.slots(j, q.device)
+                parts.append(F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, slots],
+                                                            v_cache[:, :, slots], enable_gqa=True))
+            out = torch.cat(parts, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -204,7 +233,7 @@ class Transformer(nn.Module):
         logits_from: int = 0,  # logits only for positions [logits_from, T): prefill needs the last one only
         decode: bool = False,  # compute every row exactly as a one-token forward would (decode and verify steps)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        row_spans = prefix_spans(attn_mask) if decode else None
+        rows = row_slots(attn_mask) if decode else None
         x = self.model.embed_tokens(tokens)  # [B, T, d]
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
@@ -212,7 +241,7 @@ class Transformer(nn.Module):
         write_pos = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)  # [T]
         for i, block in enumerate(self.model.layers):
             h = block.self_attn(block.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], write_pos, attn_mask,
-                                row_spans)
+                                rows)
             x = x + h
             x = x + block.mlp(block.post_attention_layernorm(x))
         hidden = self.model.norm(x)  # [B, T, d]

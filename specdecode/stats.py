@@ -4,7 +4,10 @@ Definitions (the ones Spec-Bench and vLLM use, so numbers compare):
 - acceptance_rate = accepted draft tokens / drafted tokens.
 - mean_accepted_length = tokens emitted by decode steps / target forwards in decode, so the bonus or recovered
   token counts: plain decoding scores exactly 1.0; the prefill forward and its first token are excluded.
-- acceptance_per_position[i] = P(draft token i accepted | it was drafted), i from 0.
+- acceptance_per_position[i] = P(draft token at depth i + 1 accepted | the draft reached that depth), i from 0;
+  for a chain the depth is the position. A tree drafts several nodes per depth and at most one is accepted.
+- nodes_per_step = drafted tokens / steps that drafted; accepted_path_length = accepted / steps that drafted.
+  acceptance_rate (accepted / drafted) is lower for a tree by construction: judge a tree by its path length.
 - ttft_s: from the start of prefill to the first token; itl_s: mean gap per token after the first one.
 """
 
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from specdecode.budget import CostCurve
 
 
 @dataclass
@@ -22,14 +27,20 @@ class GenerationStats:
     drafts: int = 0  # decode steps that had at least one draft token
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    drafted_at: list[int] = field(default_factory=list)  # [position] times a draft reached this position
-    accepted_at: list[int] = field(default_factory=list)  # [position] times that token was accepted
+    drafted_at: list[int] = field(default_factory=list)  # [depth - 1] times a draft reached this depth
+    accepted_at: list[int] = field(default_factory=list)  # [depth - 1] times a node at this depth was accepted
+    tree_steps: int = 0  # steps whose draft was a tree with more than one node at some depth
+    draft_budget: int | str = 0  # the request's draft size: a number of tokens, or "auto" (chosen per step)
+    verify_costs: CostCurve | None = None  # the curve an automatic budget was chosen from
     ttft_s: float = 0.0
     wall_s: float = 0.0  # from the first prefill to the last token; model loading excluded
     step_latencies_s: list[float] = field(default_factory=list)  # per decode step
     token_latencies_s: list[float] = field(default_factory=list)  # per token after the first: step time / tokens
 
-    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, seconds: float) -> None:
+    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, seconds: float,
+                    depth: int | None = None) -> None:
+        """`depth`: the draft's deepest node (a chain's length, the default)."""
+        depth = num_drafted if depth is None else depth
         self.target_forwards += 1
         self.new_tokens += num_emitted
         self.step_latencies_s.append(seconds)
@@ -39,11 +50,12 @@ class GenerationStats:
             self.drafts += 1
             self.drafted_tokens += num_drafted
             self.accepted_tokens += num_accepted
-            grow = num_drafted - len(self.drafted_at)
+            self.tree_steps += depth < num_drafted
+            grow = depth - len(self.drafted_at)
             if grow > 0:
                 self.drafted_at.extend([0] * grow)
                 self.accepted_at.extend([0] * grow)
-            for i in range(num_drafted):
+            for i in range(depth):
                 self.drafted_at[i] += 1
             for i in range(num_accepted):
                 self.accepted_at[i] += 1
@@ -56,6 +68,14 @@ class GenerationStats:
     def mean_accepted_length(self) -> float:
         decoded = self.new_tokens - 1 if self.new_tokens else 0  # the first token came from prefill
         return decoded / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def nodes_per_step(self) -> float:
+        return self.drafted_tokens / self.drafts if self.drafts else 0.0
+
+    @property
+    def accepted_path_length(self) -> float:
+        return self.accepted_tokens / self.drafts if self.drafts else 0.0
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -80,6 +100,11 @@ class GenerationStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_per_position": self.acceptance_per_position,
+            "nodes_per_step": self.nodes_per_step,
+            "accepted_path_length": self.accepted_path_length,
+            "tree_steps": self.tree_steps,
+            "draft_budget": self.draft_budget,
+            "verify_costs": None if self.verify_costs is None else self.verify_costs.to_dict(),
             "ttft_s": self.ttft_s,
             "itl_s": self.itl_s,
             "wall_s": self.wall_s,

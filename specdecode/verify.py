@@ -13,6 +13,20 @@ Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): accept draft tok
 min(1, target_probs(x) / draft_probs(x)); on the first rejection sample from norm(max(0, target_probs -
 draft_probs)). The emitted token is then distributed exactly as target_probs. Greedy is the same rule with
 one-hot distributions, done here directly as an argmax comparison: exact, and it consumes no random numbers.
+
+Trees (`verify_tree`): walk from the root; at each node try its children in draft order, each as one round of the
+rule above against what is left of the target: a child drawn from proposal q is accepted with probability
+min(1, p(x) / q(x)); if rejected, p becomes norm(max(0, p - q)) and the next child is tried (SpecInfer's multi-round
+rule). Each round is an exact speculative step whose target is the previous round's residual, so whatever the
+rounds do the emitted token is distributed as p (Miao et al. 2024; Chen et al. 2023). What q is per child:
+- deterministic siblings (greedy top-k of a draft model, n-gram branches): a point mass, `probs=None`. Then
+  acceptance is p(x) / remaining mass and the residual is p with x zeroed: the rounds together just sample from p
+  and look for the result among the children, exact for any fixed set of distinct candidates.
+- siblings drawn without replacement from q (the draft model's tree under sampling, Gumbel top-k): child j's row
+  is q with the earlier siblings zeroed and renormalised, the distribution it was actually drawn from.
+- siblings drawn i.i.d. from q: every child's row is q itself.
+Greedy on a tree follows the child whose token is the target's argmax: the accepted path is what plain greedy
+decoding would emit, token for token.
 """
 
 from __future__ import annotations
@@ -29,6 +43,11 @@ from specdecode.sampling import sample, to_probs
 class Verdict:
     emitted: torch.Tensor  # [num_accepted + 1] int64: accepted draft tokens, then the recovered or bonus token
     num_accepted: int
+    path: list[int] | None = None  # accepted draft node indices, root to leaf (a chain keeps 0, 1, ... implicitly)
+
+    @property
+    def accepted_nodes(self) -> list[int]:
+        return list(range(self.num_accepted)) if self.path is None else self.path
 
 
 def verify_chain(
@@ -86,3 +105,57 @@ def residual(
     else:
         out = (target_row - draft_row).clamp_min(0.0)
     return torch.where(out.sum() > 0, out, target_row)
+
+
+def verify_tree(
+    target_logits: torch.Tensor,  # [n + 1, vocab]: row 0 after the root, row i + 1 after draft node i
+    draft_tokens: torch.Tensor,  # [n] int64
+    parents: list[int],  # [n] parent node of each node, -1 = root; parents[i] < i
+    draft_probs: torch.Tensor | None,  # [n, vocab] the distribution each node was drawn from, or None (point masses)
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> Verdict:
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]  # [node + 1] -> its children in draft order
+    for node, parent in enumerate(parents):
+        children[parent + 1].append(node)
+    tokens = draft_tokens.tolist()
+    path: list[int] = []
+    if params.greedy:
+        choice = target_logits.argmax(-1).tolist()  # [n + 1]
+        row = 0
+        while (child := next((c for c in children[row] if tokens[c] == choice[row]), None)) is not None:
+            path.append(child)
+            row = child + 1
+        return Verdict(torch.tensor(tokens_on(path, tokens) + [choice[row]]), len(path), path)
+
+    target_probs = to_probs(target_logits, params)  # [n + 1, vocab]
+    row = 0
+    while True:
+        remaining, accepted = target_probs[row], None
+        for child in children[row]:
+            proposal = None if draft_probs is None else draft_probs[child]
+            accept, rest = sibling_round(remaining, draft_tokens[child], proposal)
+            if float(torch.rand((), generator=generator, device=remaining.device)) < accept:
+                accepted = child
+                break
+            remaining = rest
+        if accepted is None:
+            last = int(sample(remaining, generator))
+            return Verdict(torch.tensor(tokens_on(path, tokens) + [last]), len(path), path)
+        path.append(accepted)
+        row = accepted + 1
+
+
+def sibling_round(
+    target_row: torch.Tensor,  # [vocab] what is left of the target distribution, normalised
+    token: torch.Tensor,  # [] the sibling tried now
+    proposal: torch.Tensor | None,  # [vocab] the distribution it was drawn from, or None (a point mass)
+) -> tuple[float, torch.Tensor]:
+    """One round of the multi-round rule -> (P(accept the sibling), the normalised target for the next round)."""
+    accept = float(acceptance_probs(target_row[None], token[None], None if proposal is None else proposal[None])[0])
+    rest = residual(target_row, token, proposal)
+    return accept, rest / rest.sum()
+
+
+def tokens_on(path: list[int], tokens: list[int]) -> list[int]:
+    return [tokens[node] for node in path]

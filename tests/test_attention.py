@@ -1,5 +1,5 @@
-"""Decode attention: the kernel's per-row prefix attention equals the stock one, and the decode path (kernel or
-the per-row fallback) computes every row exactly as a one-token forward."""
+"""Decode attention: the kernel's per-row attention equals the stock one, and the decode path (kernel or the
+per-row fallback) computes every row, chain or tree, exactly as a one-token forward of its path."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from specdecode import model as model_module
 from specdecode.kernels import cpu_kernels
-from specdecode.masks import chain_mask
+from specdecode.masks import chain_mask, depths, tree_mask
 from specdecode.quantize import quantize_
 from tiny import tiny_native
 
@@ -56,8 +56,62 @@ def test_decode_rows_equal_one_token_forwards(monkeypatch, use_kernel):
                 assert torch.allclose(batch[0, j], one[0, 0], atol=1e-5)
 
 
-def test_decode_refuses_tree_masks():
-    model = tiny_native("qwen2")
-    mask = torch.tensor([[[[True, True, False], [True, False, True]]]])  # row 1 skips slot 1: not a prefix
-    with torch.inference_mode(), pytest.raises(NotImplementedError, match="chain"):
-        model(torch.tensor([[1, 2]]), torch.tensor([[1, 1]]), model.new_cache(1, 8), mask, decode=True)
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_tree_rows_equal_one_token_forwards_of_their_paths(monkeypatch, use_kernel):
+    """Each tree node attends over the prefix and then its ancestors, scattered in the cache, exactly as a
+    one-token forward of its path does over contiguous slots; after `keep` the cache is the path's."""
+    if use_kernel and kernels is None:
+        pytest.skip("no native CPU kernel here")
+    if not use_kernel:
+        monkeypatch.setattr(model_module, "cpu_kernels", lambda: None)
+    model = tiny_native("qwen2", seed=5)
+    if use_kernel:
+        model = quantize_(model, "none")
+    same = torch.equal if use_kernel else (lambda a, b: torch.allclose(a, b, atol=1e-5))
+    prefix, root = [7, 3, 9], 1
+    parents = torch.tensor([-1, -1, 0, 1, 2, 0])
+    tokens = torch.tensor([4, 5, 6, 2, 8, 11])
+    with torch.inference_mode():
+        cache = model.new_cache(1, 32)
+        model(torch.tensor([prefix]), torch.arange(3)[None], cache, chain_mask(0, 3))
+        cache.truncate(3)
+        ids = torch.cat((torch.tensor([root]), tokens))[None]
+        positions = (3 + torch.cat((torch.zeros(1, dtype=torch.long), depths(parents))))[None]
+        tree, _ = model(ids, positions, cache, tree_mask(3, parents), decode=True)
+        for node in range(len(tokens)):
+            path = [node]
+            while parents[path[-1]] >= 0:
+                path.append(int(parents[path[-1]]))
+            chain = [root] + tokens[path[::-1]].tolist()
+            plain = model.new_cache(1, 32)
+            model(torch.tensor([prefix]), torch.arange(3)[None], plain, chain_mask(0, 3))
+            plain.truncate(3)
+            for j, token in enumerate(chain):  # one-token forwards, as plain decoding runs them
+                one, _ = model(torch.tensor([[token]]), torch.tensor([[3 + j]]), plain, chain_mask(3 + j, 1),
+                               decode=True)
+                plain.truncate(4 + j)
+            assert same(tree[0, node + 1], one[0, 0])
+        # Keep the path root -> 1 -> 3: its rows move behind the prefix, as a plain decode would have written them.
+        cache.truncate(4)
+        cache.keep(torch.tensor([1, 3]) + 4)
+        assert cache.length == 6
+        ref = model.new_cache(1, 32)
+        model(torch.tensor([prefix]), torch.arange(3)[None], ref, chain_mask(0, 3))
+        ref.truncate(3)
+        for j, token in enumerate([root, 5, 2]):
+            model(torch.tensor([[token]]), torch.tensor([[3 + j]]), ref, chain_mask(3 + j, 1), decode=True)
+            ref.truncate(4 + j)
+        assert same(cache.k[:, :, :, :6], ref.k[:, :, :, :6]) and same(cache.v[:, :, :, :6], ref.v[:, :, :, :6])
+
+
+@pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+def test_kernel_attention_extra_slots_match_gathered_sdpa():
+    torch.manual_seed(1)
+    q = torch.randn(1, 4, 2, 8)
+    k, v = torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
+    out = kernels.decode_attention(q, k, v, [10, 12], [[14, 20], []])
+    for t, slots in enumerate([list(range(10)) + [14, 20], list(range(12))]):
+        ref = F.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, slots], v[:, :, slots], enable_gqa=True)
+        assert torch.allclose(out[:, :, t : t + 1], ref, atol=1e-5)
+    with pytest.raises(RuntimeError, match="extra slot"):
+        kernels.decode_attention(q, k, v, [10, 12], [[5], []])  # inside the prefix: a slot seen twice

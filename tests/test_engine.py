@@ -10,7 +10,10 @@ from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import Engine
 from specdecode.masks import chain_mask
 from tiny import tiny_native
-from toy import BigramModel, ScriptedDrafter, l1_bound, random_chain
+from specdecode.budget import CostCurve
+from toy import BigramModel, ScriptedDrafter, ScriptedTreeDrafter, l1_bound, random_chain
+
+CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))  # C(8) = 1.56 C(1), as measured on a 2-core CPU
 
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
 
@@ -34,6 +37,10 @@ def drafters(target):
     full = PROMPT + true()
     return {
         "ngram": NgramDrafter(),
+        "ngram-tree": NgramDrafter(branches=4),
+        "draft-model-tree": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, width=3),
+        "self-draft-tree": DraftModelDrafter(target, vocab_size=64, width=2),
+        "scripted-tree": ScriptedTreeDrafter(lambda toks, k: full[len(toks): len(toks) + k], vocab=64),
         "draft-model": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64),
         "draft-model-llama": DraftModelDrafter(tiny_native("llama", seed=2), vocab_size=64),
         "draft-model-adaptive": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, min_confidence=0.03),
@@ -52,8 +59,29 @@ def test_greedy_is_token_identical_for_every_drafter(target, reference, k):
         stats = engine.stats
         if name in ("always-right", "self-draft") and k:
             assert stats.acceptance_rate == 1.0, name
+        if name in ("self-draft-tree", "scripted-tree") and k > 1:
+            assert stats.accepted_path_length >= 1.0 and stats.tree_steps > 0, name
         if name in ("always-wrong", "empty"):
             assert stats.accepted_tokens == 0 and stats.mean_accepted_length == 1.0, name
+
+
+def test_greedy_is_token_identical_with_an_automatic_budget(target, reference):
+    for name, drafter in drafters(target).items():
+        engine = Engine(target, drafter, num_draft_tokens=None, costs=CPU_LIKE)
+        assert run(engine, PROMPT, SamplingParams(max_new_tokens=40)) == reference, name
+        assert engine.stats.draft_budget == "auto" and engine.stats.verify_costs is CPU_LIKE
+
+
+def test_budget_keeps_the_best_ancestor_closed_nodes():
+    from specdecode.drafters.base import Draft
+
+    draft = Draft(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 0, 0, 2]), None, [0.9, 0.05, 0.6, 0.2, 0.5])
+    best = draft.best(3)
+    assert best.tokens.tolist() == [5, 7, 9] and best.parents.tolist() == [-1, 0, 1] and best.scores == [0.9, 0.6, 0.5]
+    assert CPU_LIKE.best_count([0.9, 0.6, 0.5, 0.01]) == 3  # the last node costs more than it is expected to bring
+    assert CostCurve((1.0, 3.0)).best_count([0.9]) == 0  # verifying a second token triples the cost: draft nothing
+    with pytest.raises(AssertionError, match="parent"):
+        Draft(torch.tensor([1, 2]), torch.tensor([1, -1])).check()
 
 
 def test_stops_inside_a_draft(target, reference):
@@ -80,8 +108,10 @@ def test_context_limit_stops_cleanly(target, reference):
     assert steps[-1].finish_reason == "length"
 
 
-def test_cache_matches_a_fresh_prefill_after_every_step(target):
-    engine = Engine(target, DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64), num_draft_tokens=4)
+@pytest.mark.parametrize("width", [1, 3])
+def test_cache_matches_a_fresh_prefill_after_every_step(target, width):
+    engine = Engine(target, DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, width=width),
+                    num_draft_tokens=6)
     params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=0)
     for _ in engine.generate(PROMPT, params):
         cache, tokens = engine.cache, engine.tokens
@@ -117,10 +147,12 @@ def exact_sequence_probs(chain: torch.Tensor, start: int, length: int, eos: int)
     return out
 
 
+@pytest.mark.parametrize("shape", ["chain", "tree", "ngram-tree"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_new_tokens=3),
                                     SamplingParams(temperature=0.6, top_k=3, max_new_tokens=3)])
-def test_whole_loop_output_distribution_is_the_targets(params):
-    """Real engine, draft-model drafter, EOS and the token budget landing inside drafts; chi-by-L1 bound."""
+def test_whole_loop_output_distribution_is_the_targets(params, shape):
+    """Real engine, EOS and the token budget landing inside drafts; chi-by-L1 bound. Drafters: a draft model's
+    chain, its tree (siblings drawn without replacement), and n-gram trees (point-mass siblings)."""
     vocab, eos, trials = 4, 3, 6000
     target_chain, draft_chain = random_chain(vocab, 10), random_chain(vocab, 11, sharpness=2.0)
     transformed = torch.stack([torch.as_tensor(p) for p in
@@ -128,7 +160,11 @@ def test_whole_loop_output_distribution_is_the_targets(params):
                                    target_chain.log(), params)])
     exact = exact_sequence_probs(transformed, start=0, length=3, eos=eos)
     target = BigramModel(target_chain, eos=(eos,))
-    engine = Engine(target, DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab), num_draft_tokens=4)
+    if shape == "ngram-tree":
+        drafter = NgramDrafter(max_ngram=2, branches=3)
+    else:
+        drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=1 if shape == "chain" else 2)
+    engine = Engine(target, drafter, num_draft_tokens=4)
     counts: dict[tuple, int] = {}
     for i in range(trials):
         out = tuple(run(engine, [0], SamplingParams(**{**params.__dict__, "seed": i})))

@@ -1,10 +1,12 @@
 """Verifier algebra (exact, float64) and the sampled distribution of the first emitted token (seeded)."""
 
+import itertools
+
 import torch
 
 from specdecode.config import SamplingParams
 from specdecode.sampling import make_generator, sample, to_probs
-from specdecode.verify import acceptance_probs, residual, verify_chain
+from specdecode.verify import acceptance_probs, residual, sibling_round, verify_chain, verify_tree
 from toy import l1_bound
 
 
@@ -88,3 +90,78 @@ def test_top_k_top_p_transform():
     assert torch.count_nonzero(probs) == 2 and abs(float(probs.sum()) - 1) < 1e-6
     greedy = to_probs(logits, SamplingParams())
     assert greedy.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def emitted_by_rounds(target: torch.Tensor, candidates: list[int], proposals: list) -> torch.Tensor:
+    """Exact distribution of the token a node emits when its children are tried in order (sibling_round)."""
+    dist, reach, row = torch.zeros_like(target), 1.0, target
+    for token, proposal in zip(candidates, proposals):
+        accept, rest = sibling_round(row, torch.tensor(token), proposal)
+        dist[token] += reach * accept
+        reach, row = reach * (1 - accept), rest
+    return dist + reach * row
+
+
+def test_tree_rounds_with_point_mass_siblings_reproduce_target_exactly():
+    gen = torch.Generator().manual_seed(2)
+    for vocab in (4, 6):
+        target = random_probs(vocab, gen)
+        for m in (1, 2, 3):
+            for candidates in itertools.permutations(range(vocab), m):
+                got = emitted_by_rounds(target, list(candidates), [None] * m)
+                assert torch.allclose(got, target, atol=1e-12, rtol=0)
+
+
+def test_tree_rounds_with_iid_siblings_reproduce_target_exactly():
+    gen = torch.Generator().manual_seed(3)
+    for vocab in (3, 5):
+        target, draft = random_probs(vocab, gen), random_probs(vocab, gen)
+        for m in (2, 3):
+            total = torch.zeros_like(target)
+            for candidates in itertools.product(range(vocab), repeat=m):  # duplicates allowed
+                weight = float(torch.prod(draft[list(candidates)]))
+                total += weight * emitted_by_rounds(target, list(candidates), [draft] * m)
+            assert torch.allclose(total, target, atol=1e-12, rtol=0)
+
+
+def test_tree_rounds_with_siblings_drawn_without_replacement_reproduce_target_exactly():
+    gen = torch.Generator().manual_seed(4)
+    for vocab in (3, 5):
+        target, draft = random_probs(vocab, gen), random_probs(vocab, gen)
+        for m in (2, 3):
+            total = torch.zeros_like(target)
+            for candidates in itertools.permutations(range(vocab), m):
+                weight, proposals, left = 1.0, [], draft.clone()
+                for token in candidates:  # each draw from what is left, renormalised
+                    left = left / left.sum()
+                    proposals.append(left.clone())
+                    weight *= float(left[token])
+                    left[token] = 0.0
+                total += weight * emitted_by_rounds(target, list(candidates), proposals)
+            assert torch.allclose(total, target, atol=1e-12, rtol=0)
+
+
+def test_greedy_tree_follows_the_targets_argmax():
+    logits = torch.full((6, 10), -1.0)
+    # root -> argmax 3; node 1 (token 3) -> argmax 5; node 3 (token 5) -> argmax 9
+    logits[0, 3] = logits[2, 5] = logits[4, 9] = logits[1, 0] = logits[3, 0] = logits[5, 0] = 1.0
+    tokens = torch.tensor([4, 3, 7, 5, 6])  # node 0: 4, node 1: 3 (right), node 2 under 0, node 3 under 1, 4 under 1
+    parents = [-1, -1, 0, 1, 1]
+    verdict = verify_tree(logits, tokens, parents, None, SamplingParams(), None)
+    assert verdict.path == [1, 3] and verdict.emitted.tolist() == [3, 5, 9]
+    verdict = verify_tree(logits, torch.tensor([1, 2, 7, 5, 6]), parents, None, SamplingParams(), None)
+    assert verdict.path == [] and verdict.emitted.tolist() == [3]
+
+
+def test_sampled_tree_first_token_follows_the_target():
+    """verify_tree itself, seeded: the first emitted token of a point-mass tree is distributed as the target."""
+    vocab, trials = 5, 40_000
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=1.0)
+    target = to_probs(logits[0], params).double()
+    gen = make_generator(0)
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    tokens, parents = torch.tensor([2, 0, 4]), [-1, -1, 0]
+    for _ in range(trials):
+        counts[int(verify_tree(logits, tokens, parents, None, params, gen).emitted[0])] += 1
+    assert (counts / trials - target).abs().sum() < l1_bound(vocab, trials)

@@ -48,8 +48,8 @@ class ScriptedDrafter:
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         return Draft.chain(torch.tensor(self.oracle(ctx.tokens, max_tokens), dtype=torch.long))
 
-    def commit(self, num_accepted: int) -> None:
-        self.commits.append(num_accepted)
+    def commit(self, accepted: list[int]) -> None:
+        self.commits.append(len(accepted))
 
 
 def random_chain(vocab: int, seed: int, sharpness: float = 1.0) -> torch.Tensor:
@@ -62,3 +62,28 @@ def l1_bound(num_outcomes: int, num_samples: int, delta: float = 1e-6) -> float:
     import math
 
     return math.sqrt(2 * (num_outcomes * math.log(2) + math.log(1 / delta)) / num_samples)
+
+
+class ScriptedTreeDrafter:
+    """Proposes a tree: at each depth a wrong guess first, then the oracle's token as its sibling, the next depth
+    under the right one; so greedy must pick the second child every time."""
+
+    def __init__(self, oracle, vocab: int) -> None:
+        self.oracle = oracle
+        self.vocab = vocab
+        self.paths: list[list[int]] = []
+
+    def reset(self) -> None:
+        self.paths.clear()
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        right = self.oracle(ctx.tokens, max_tokens // 2)
+        tokens, parents, parent = [], [], -1
+        for token in right:
+            tokens += [(token + 1) % self.vocab, token]
+            parents += [parent, parent]
+            parent = len(tokens) - 1
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def commit(self, accepted: list[int]) -> None:
+        self.paths.append(list(accepted))

@@ -20,8 +20,10 @@ from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, SpecDecoder
 from specdecode.bench.data import load_prompts
 from specdecode.bench.harness import run_bench
 from specdecode.bench.loaders import (
-    BenchModels, all_methods, build_runners, load_models, num_draft_tokens, parse_methods, weights_bytes,
+    NEEDS_DRAFT, BenchModels, all_methods, build_runners, load_models, num_draft_tokens, parse_methods, runner_is_ours,
+    weights_bytes,
 )  # fmt: skip
+from specdecode.budget import load_or_measure
 from specdecode.bench.machine import command_line, machine_info
 from specdecode.bench.report import build_report, markdown
 from specdecode.cli import add_sampling_args, add_weight_args, sampling_params
@@ -40,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=",".join(all_methods()),
                    help=f"comma-separated, from {', '.join(all_methods())}; none is always run (the baseline)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="k for every speculative method "
-                   "(default: per method; hf-assisted and hf-pld take the k of draft and ngram)")
+                   "(default: ours choose per step from the verify cost curve; the reference engines run a fixed k)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt per method")
     p.add_argument("--json", metavar="FILE", help="write the results here, and PNG plots next to it")
     p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
@@ -66,12 +68,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.num_draft_tokens is not None and args.num_draft_tokens < 0:
         raise SpecdecodeError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
     prompts = load_prompts(args.dataset, args.limit, args.prompt_as_chat)
-    draft = args.draft if "draft" in methods else None
+    draft = args.draft if NEEDS_DRAFT & set(methods) - {"hf-assisted"} else None
     plan = plan_load(args.target, draft, args.dtype, args.device, args.quantize, args.draft_quantize, args.weights)
     print(f"bench: {len(prompts)} prompts, methods {', '.join(methods)}; {plan.describe()}; loading models...",
           file=sys.stderr)
     models = load_models(args.target, args.draft, methods, plan, args.device)
-    runners = build_runners(methods, models, args.num_draft_tokens, args.max_len, args.max_ngram)
+    ours_auto = args.num_draft_tokens is None and any(runner_is_ours(m) for m in methods if m != "none")
+    costs = load_or_measure(models.target, f"{args.target} | {plan.describe()} | {args.device}") if ours_auto else None
+    if costs is not None:
+        print("bench: verify cost, relative to one token, for 1..16 tokens: "
+              + " ".join(f"{r:.2f}" for r in costs.ratios()), file=sys.stderr)
+    runners = build_runners(methods, models, args.num_draft_tokens, args.max_len, args.max_ngram, costs)
     encoder = SpecDecoder(models.target, models.tokenizer, DRAFTERS["none"](), "none", 0, args.max_len)
 
     def decode(ids: list[int]) -> str:  # an answer as the next turn's history sees it
@@ -81,7 +88,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      progress=not args.no_progress)
     report = build_report(runs, method_facts(methods, models, runners, args.num_draft_tokens),
                           settings(args, methods, params.greedy, plan),
-                          machine_info(args.device, command_line()), params.greedy)
+                          machine_info(args.device, command_line()), params.greedy,
+                          None if costs is None else costs.to_dict())
     print(markdown(report))
     if args.json:
         write_outputs(report, Path(args.json))
@@ -90,7 +98,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def method_facts(methods: list[str], models: BenchModels, runners: dict[str, Any],
                  override_k: int | None) -> dict[str, dict[str, Any]]:
-    return {m: {"family": runners[m].family, "num_draft_tokens": num_draft_tokens(m, override_k),
+    return {m: {"family": runners[m].family, "num_draft_tokens": num_draft_tokens(m, override_k) if m == "none"
+                or num_draft_tokens(m, override_k) is not None else "auto",
                 "weights_bytes": weights_bytes(m, models)} for m in methods}
 
 

@@ -1,14 +1,16 @@
 """Load every model once and build one runner per method around the shared models.
 
 Our methods are the drafter registry (`drafters.DRAFTERS`), so a drafter added there is benchmarked with no change
-here; each gets its own `SpecDecoder` (own KV cache) over the one loaded target. The reference methods run
+here; each gets its own `SpecDecoder` (own KV cache) over the one loaded target. `draft` and `ngram` run their
+default shape; `<method>-chain` and `<method>-tree` pin the shape, so one run compares them. Ours choose the draft
+size per step from the verify cost curve unless --num-draft-tokens fixes it. The reference methods run
 transformers' `generate` on the same checkpoint files (the HF folder that `weights` resolved or converted), in the
 same dtype and on the same device:
   hf           plain greedy/sampled `generate`
   hf-assisted  `assistant_model` = the draft checkpoint, up to k tokens per step, our confidence cut-off
   hf-pld       `prompt_lookup_num_tokens` = k, n-grams up to `max_ngram` (prompt lookup decoding)
 and llama.cpp on the same GGUF file, its blocks as stored (bench/llamacpp.py): `llamacpp`, `llamacpp-lookup`.
-Their k defaults to that of the method of ours they mirror, so both sides speculate alike. transformers runs
+Their k is fixed (they have no cost model): REFERENCE_NUM_DRAFT_TOKENS, our best fixed k in earlier sweeps. transformers runs
 the float checkpoint in our dtype, or in bfloat16 when our target runs a GGUF file's blocks as stored.
 """
 
@@ -21,8 +23,9 @@ from typing import Any
 import torch
 
 from specdecode.api import (
-    DEFAULT_NUM_DRAFT_TOKENS, DRAFT_MIN_CONFIDENCE, SpecDecoder, build_drafter, check_same_tokenizer,
+    DEFAULT_DRAFT_SHAPE, DRAFT_MIN_CONFIDENCE, DRAFT_SHAPES, SpecDecoder, build_drafter, check_same_tokenizer,
 )  # fmt: skip
+from specdecode.budget import CostCurve
 from specdecode.bench.llamacpp import METHODS as LLAMACPP_METHODS
 from specdecode.bench.llamacpp import LlamaCppRunner, import_llama_cpp
 from specdecode.bench.runners import HFRunner, Runner, SpecRunner
@@ -35,12 +38,26 @@ BASELINE = "none"
 # Reference methods -> the method of ours they mirror (its default k), None for plain decoding.
 HF_METHODS: dict[str, str | None] = {"hf": None, "hf-assisted": "draft", "hf-pld": "ngram"}
 MIRRORS = HF_METHODS | {"llamacpp": None, "llamacpp-lookup": "ngram"}
-NEEDS_DRAFT = {"draft", "hf-assisted"}
-FALLBACK_NUM_DRAFT_TOKENS = 4  # for drafters registered without a tuned default
+SHAPED = ("draft", "ngram")  # our methods that draft chains or trees
+NEEDS_DRAFT = {"draft", "draft-chain", "draft-tree", "hf-assisted"}
+REFERENCE_NUM_DRAFT_TOKENS = {"draft": 5, "ngram": 4}
 
 
 def all_methods() -> list[str]:
-    return list(DRAFTERS) + list(HF_METHODS) + list(LLAMACPP_METHODS)
+    shaped = [f"{m}-{shape}" for m in SHAPED for shape in DRAFT_SHAPES]
+    return list(DRAFTERS) + shaped + list(HF_METHODS) + list(LLAMACPP_METHODS)
+
+
+def runner_is_ours(method: str) -> bool:
+    return method not in MIRRORS
+
+
+def drafter_and_shape(method: str) -> tuple[str, str]:
+    """'draft-tree' -> ('draft', 'tree'); 'draft' -> ('draft', the default shape)."""
+    name, _, shape = method.rpartition("-")
+    if name in SHAPED and shape in DRAFT_SHAPES:
+        return name, shape
+    return method, DEFAULT_DRAFT_SHAPE
 
 
 def parse_methods(text: str) -> list[str]:
@@ -52,13 +69,15 @@ def parse_methods(text: str) -> list[str]:
     return [BASELINE] + [m for m in methods if m != BASELINE]
 
 
-def num_draft_tokens(method: str, override: int | None) -> int:
+def num_draft_tokens(method: str, override: int | None) -> int | None:
+    """k for a method: 0 for plain decoding, the override if given, else None (ours: chosen per step) or the
+    reference engines' fixed k."""
     mirrored = MIRRORS.get(method, method)
     if mirrored is None or mirrored == BASELINE:
         return 0
     if override is not None:
         return override
-    return DEFAULT_NUM_DRAFT_TOKENS.get(mirrored, FALLBACK_NUM_DRAFT_TOKENS)
+    return REFERENCE_NUM_DRAFT_TOKENS[mirrored] if method in MIRRORS else None
 
 
 @dataclass
@@ -83,7 +102,7 @@ def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, dev
     models = BenchModels(model, tokenizer)
     if NEEDS_DRAFT & set(methods):
         check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
-    if "draft" in methods:
+    if NEEDS_DRAFT & set(methods) - {"hf-assisted"}:
         models.draft, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
     hf_dtype = torch.bfloat16 if plan.weights == "stored" else plan.dtype
     if any(m in HF_METHODS for m in methods):
@@ -106,7 +125,7 @@ def load_hf(source: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
 
 
 def build_runners(methods: list[str], models: BenchModels, override_k: int | None = None, max_len: int = 8192,
-                  max_ngram: int = 3) -> dict[str, Runner]:
+                  max_ngram: int = 3, costs: CostCurve | None = None) -> dict[str, Runner]:
     runners: dict[str, Runner] = {}
     for method in methods:
         k = num_draft_tokens(method, override_k)
@@ -116,8 +135,9 @@ def build_runners(methods: list[str], models: BenchModels, override_k: int | Non
             # A context of at most 4096: its prompt lookup keeps logits for every slot (n_ctx x vocab floats).
             runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, min(max_len, 4096), k, max_ngram)
         else:
-            drafter = build_drafter(method, models.target, models.draft, max_ngram)
-            decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len)
+            name, shape = drafter_and_shape(method)
+            drafter = build_drafter(name, models.target, models.draft, max_ngram, shape)
+            decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len, costs)
             runners[method] = SpecRunner(decoder, models.target.device)
     return runners
 
@@ -143,7 +163,7 @@ def weights_bytes(method: str, models: BenchModels) -> int:
     if method in HF_METHODS:
         used = [models.hf_target] + ([models.hf_draft] if method == "hf-assisted" else [])
     else:
-        used = [models.target] + ([models.draft] if method == "draft" else [])
+        used = [models.target] + ([models.draft] if method in NEEDS_DRAFT else [])
     tensors = {t.data_ptr(): t.numel() * t.element_size() for m in used for t in model_tensors(m)}
     return sum(tensors.values())
 

@@ -6,7 +6,9 @@ Definitions (the JSON schema in docs/bench.md repeats them):
 - speedup_vs_<base>: tokens_per_s / the base method's tokens_per_s on the same prompts. When the outputs are
   token-identical (lossless) this is exactly the walltime ratio.
 - mean_accepted_length: tokens emitted per target forward after the first (prefill) forward, bonus token included;
-  plain decoding scores 1.0. acceptance_rate and acceptance_per_position count draft tokens (ours only).
+  plain decoding scores 1.0. acceptance_rate and acceptance_per_position (by depth) count draft tokens, ours only;
+  nodes_per_step: draft tokens verified per step that drafted (a tree's nodes); the step's accepted path is
+  mean_accepted_length - 1 tokens long.
 - itl_s_p50/p95: over every token after the first of every generation (a step's time split over its tokens).
 """
 
@@ -85,6 +87,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
         "mean_accepted_length": sum(t.decode_tokens for t in turns) / forwards if forwards else None,
         "acceptance_rate": sum(t.accepted_tokens for t in reported) / drafted if drafted else None,
         "acceptance_per_position": per_position(reported) if drafted else None,
+        "nodes_per_step": drafted / drafts if (drafts := sum(t.drafts or 0 for t in reported)) else None,
         "ttft_s_mean": _mean(ttfts),
         "ttft_s_p50": _percentile(ttfts, 50),
         "itl_s_p50": _percentile(latencies, 50),

@@ -19,8 +19,9 @@ MAX_LISTED = 10  # mismatches printed under the table (the JSON lists all)
 
 
 def build_report(runs: list[Run], methods: dict[str, dict[str, Any]], settings: dict[str, Any],
-                 machine: dict[str, Any], greedy: bool) -> dict[str, Any]:
-    """methods: name -> facts known before running (family, num_draft_tokens, weights_bytes), in table order."""
+                 machine: dict[str, Any], greedy: bool, verify_costs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """methods: name -> facts known before running (family, num_draft_tokens, weights_bytes), in table order;
+    verify_costs: the cost curve our automatic draft sizes were chosen from (CostCurve.to_dict), if any."""
     names = list(methods)
     overall = _groups(runs, names, lambda r: True)
     by_category = {c: _groups(runs, names, lambda r, c=c: r.prompt.category == c) for c in _unique(runs, "category")}
@@ -38,6 +39,7 @@ def build_report(runs: list[Run], methods: dict[str, dict[str, Any]], settings: 
         "categories": list(by_category),
         "datasets": list(by_dataset),
         "methods": report_methods,
+        "verify_costs": verify_costs,
         "runs": [_run_record(r) for r in runs],
     }
 
@@ -83,7 +85,7 @@ def _run_record(run: Run) -> dict[str, Any]:
                 "tokens_per_s": len(t.token_ids) / t.wall_s if t.wall_s > 0 else None,
                 "finish_reason": t.finish_reason,
                 "decode_forwards": t.decode_forwards,
-                "drafted_tokens": t.drafted_tokens,
+                "drafted_tokens": t.drafted_tokens, "drafts": t.drafts,
                 "accepted_tokens": t.accepted_tokens,
                 "peak_memory_bytes": t.peak_memory_bytes,
                 "token_ids": t.token_ids,
@@ -108,14 +110,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"{s['order']}. Speedups are tokens/s ratios on the same prompts.",
         "",
         "| method | k | tok/s | tok/s (mean) | " + " | ".join(f"vs {b}" for b in bases) + " | accepted len | "
-        "acceptance | TTFT ms | ITL p50 ms | ITL p95 ms | peak mem | lossless |",
-        "|---|---:|---:|---:|" + "---:|" * len(bases) + "---:|---:|---:|---:|---:|---:|---|",
+        "nodes/step | acceptance | TTFT ms | ITL p50 ms | ITL p95 ms | peak mem | lossless |",
+        "|---|---:|---:|---:|" + "---:|" * len(bases) + "---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, m in methods.items():
         lines.append("| " + " | ".join([
             name, str(m["num_draft_tokens"]), _num(m["tokens_per_s"], ".2f"), _num(m["tokens_per_s_mean"], ".2f"),
             *(_x(m.get(f"speedup_vs_{b}")) for b in bases), _num(m["mean_accepted_length"], ".2f"),
-            _num(m["acceptance_rate"], ".1%"), _ms(m["ttft_s_mean"]), _ms(m["itl_s_p50"]), _ms(m["itl_s_p95"]),
+            _num(m.get("nodes_per_step"), ".2f"), _num(m["acceptance_rate"], ".1%"), _ms(m["ttft_s_mean"]), _ms(m["itl_s_p50"]), _ms(m["itl_s_p95"]),
             _mib(m["peak_memory_bytes"]), _verdict(m),
         ]) + " |")  # fmt: skip
     if len(report["categories"]) > 1:
@@ -125,6 +127,11 @@ def markdown(report: dict[str, Any]) -> str:
         for name, m in methods.items():
             cells = [_x(m["by_category"][c]["speedup_vs_none"]) for c in report["categories"]]
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {_x(m['speedup_vs_none'])} |")
+    if report.get("verify_costs"):
+        ratios = report["verify_costs"]["ratio_to_one_token"]
+        lines += ["", f"Verify cost curve the automatic draft size was chosen from (forward over m tokens / one token, "
+                  f"m = 1..{len(ratios)}; one token = {report['verify_costs']['seconds'][0] * 1000:.1f} ms): "
+                  + " ".join(f"{r:.2f}" for r in ratios)]
     listed = [x for m in methods.values() for x in m["mismatches"] + m.get("mismatches_vs_hf", [])]
     if listed:
         lines += ["", f"Greedy mismatches ({len(listed)}; first {min(len(listed), MAX_LISTED)}):", ""]

@@ -32,6 +32,7 @@ class TurnResult:
     decode_forwards: int  # target forwards after the first one
     finish_reason: str | None = None
     drafted_tokens: int | None = None  # None: the method does not report drafting (transformers)
+    drafts: int | None = None  # decode steps that verified a draft (a chain or a tree)
     accepted_tokens: int | None = None
     drafted_at: list[int] = field(default_factory=list)  # [position] times a draft reached it
     accepted_at: list[int] = field(default_factory=list)  # [position] times that token was accepted
@@ -66,7 +67,8 @@ class SpecRunner:
         return TurnResult(
             token_ids=list(out.token_ids), wall_s=wall, ttft_s=s.ttft_s, token_latencies_s=list(s.token_latencies_s),
             decode_tokens=max(len(out.token_ids) - 1, 0), decode_forwards=s.target_forwards,
-            finish_reason=out.finish_reason, drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
+            finish_reason=out.finish_reason, drafted_tokens=s.drafted_tokens, drafts=s.drafts,
+            accepted_tokens=s.accepted_tokens,
             drafted_at=list(s.drafted_at), accepted_at=list(s.accepted_at),
         )  # fmt: skip
 

@@ -1,12 +1,15 @@
 """The drafter interface: every way of guessing tokens speaks `propose` and `commit`.
 
-A drafter reads a `DraftContext` (the request's tokens so far, the target's hidden states, a generator) and
-returns a `Draft`. After verification the engine calls `commit(num_accepted)` so the drafter can roll its own
-state (a draft model's KV cache, a lookup pool) back to the accepted prefix; adaptive drafters learn there too.
-Drafters never touch the target's cache, never sample the output and never see the tokenizer.
+A drafter reads a `DraftContext` (the request's tokens so far, the target's hidden states, a generator, what a
+target forward costs here) and returns a `Draft`. After verification the engine calls `commit(accepted)` with the
+accepted node indices, root to leaf, so the drafter can roll its own state (a draft model's KV cache) back to the
+accepted path; adaptive drafters learn there too. Drafters never touch the target's cache, never sample the output
+and never see the tokenizer.
 
-A chain is a tree whose parents are [-1, 0, 1, ...]; tree drafters fill `parents` freely. `probs=None` means each
-token is a point mass (a deterministic guess), which the verifier handles with the same rejection rule.
+A chain is a tree whose parents are [-1, 0, 1, ...]; tree drafters fill `parents` with every parent before its
+child. `probs=None` means each token is a point mass (a deterministic guess); otherwise row i is the distribution
+node i was drawn from (see verify.py for siblings). `scores[i]` is the drafter's estimate that node i is accepted
+(for a draft model, the product of draft probabilities along its path): the budget chooser keeps the best nodes.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Protocol
 
 import torch
 
+from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
+from specdecode.masks import depths
 
 
 @dataclass(slots=True)
@@ -24,10 +29,59 @@ class Draft:
     tokens: torch.Tensor  # [n] int64, the root (last committed token) excluded
     parents: torch.Tensor  # [n] int64, index of each token's parent, -1 = root
     probs: torch.Tensor | None = None  # [n, vocab] draft distribution, None = point masses
+    scores: list[float] | None = None  # [n] estimated P(node accepted), non-increasing from parent to child
+    origin: list[int] | None = None  # after the engine cut a draft: each node's index in the drafter's own draft
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor, probs: torch.Tensor | None = None) -> Draft:
-        return cls(tokens, torch.arange(-1, tokens.numel() - 1, device=tokens.device), probs)
+    def chain(cls, tokens: torch.Tensor, probs: torch.Tensor | None = None,
+              scores: list[float] | None = None) -> Draft:
+        return cls(tokens, torch.arange(-1, tokens.numel() - 1, device=tokens.device), probs, scores)
+
+    @property
+    def is_chain(self) -> bool:
+        return bool(torch.equal(self.parents.cpu(), torch.arange(-1, len(self) - 1)))
+
+    def check(self) -> None:
+        """Assert the shape invariants every drafter must keep (a broken drafter is a programming error)."""
+        n = len(self)
+        parents = self.parents.tolist()
+        assert len(parents) == n, f"{len(parents)} parents for {n} tokens"
+        assert all(-1 <= p < i for i, p in enumerate(parents)), f"a parent must come before its child: {parents}"
+        assert self.probs is None or self.probs.shape[0] == n, "one draft distribution per token"
+        assert self.scores is None or len(self.scores) == n, "one score per token"
+
+    def within_depth(self, max_depth: int) -> Draft:
+        """The nodes at depth <= max_depth (a drafter that ignored DraftContext.max_depth)."""
+        if len(self) == 0:
+            return self
+        deep = depths(self.parents) > max_depth
+        if not bool(deep.any()):
+            return self
+        return self.select([i for i, d in enumerate(deep.tolist()) if not d])
+
+    def best(self, count: int) -> Draft:
+        """The `count` nodes with the highest scores (first in draft order on ties), renumbered in draft order.
+        Scores never grow from parent to child, so the kept set holds every kept node's ancestors."""
+        if count >= len(self):
+            return self
+        order = sorted(range(len(self)), key=lambda i: (-self.scores[i], i)) if self.scores else range(len(self))
+        return self.select(sorted(order[:count]))
+
+    def select(self, kept: list[int]) -> Draft:
+        """The nodes `kept` (ascending, every kept node's parent kept too), renumbered in draft order."""
+        index = {node: i for i, node in enumerate(kept)}
+        parents = self.parents.tolist()
+        new_parents = torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in kept],
+                                   dtype=torch.long, device=self.parents.device)
+        at = torch.tensor(kept, dtype=torch.long, device=self.tokens.device)
+        probs = None if self.probs is None else self.probs[at.to(self.probs.device)]
+        scores = None if self.scores is None else [self.scores[i] for i in kept]
+        origin = [self.origin[i] for i in kept] if self.origin is not None else list(kept)
+        return Draft(self.tokens[at], new_parents, probs, scores, origin)
+
+    def as_proposed(self, nodes: list[int]) -> list[int]:
+        """Node indices of this draft -> indices in the draft the drafter proposed (what `commit` takes)."""
+        return nodes if self.origin is None else [self.origin[i] for i in nodes]
 
     @classmethod
     def empty(cls, device: torch.device | str = "cpu") -> Draft:
@@ -43,6 +97,8 @@ class DraftContext:
     params: SamplingParams  # the request's sampling settings, so draft probabilities match the target's
     generator: torch.Generator | None  # the request's generator (None when greedy)
     hidden: torch.Tensor | None = None  # [T, d] target hidden states of the last step's emitted tokens, if any
+    costs: CostCurve | None = None  # what a target forward over m tokens costs here; None = fixed draft size
+    max_depth: int = 1 << 30  # deeper nodes could not be emitted (the request's token budget is nearly spent)
 
 
 class Drafter(Protocol):
@@ -52,5 +108,5 @@ class Drafter(Protocol):
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """Guess up to `max_tokens` tokens that follow `ctx.tokens`."""
 
-    def commit(self, num_accepted: int) -> None:
-        """The target kept the first `num_accepted` tokens of the last draft; roll own state to match."""
+    def commit(self, accepted: list[int]) -> None:
+        """The target kept these nodes of the last draft (root to leaf); roll own state to match."""

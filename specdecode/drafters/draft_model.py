@@ -1,33 +1,67 @@
-"""A separate, smaller model with the same tokenizer drafts tokens one by one from its own KV cache.
+"""A separate, smaller model with the same tokenizer drafts a tree (or a chain) from its own KV cache.
 
-Bookkeeping with absolute lengths: the draft cache always holds a prefix of the request's tokens. `propose` first
-catches up on the tokens the cache lacks (the last emitted token; after a fully accepted draft also the last draft
-token, which was never fed), then drafts. `commit(num_accepted)` truncates the cache to the accepted prefix.
-Drafting stops early when the draft model is unsure (`min_confidence`), which adapts the draft length to the
-text at no cost to exactness. Under sampling each token is drawn from the draft's distribution after the request's temperature/top-k/top-p,
-and that distribution is returned for the verifier's ratio test; under greedy the draft is a point mass.
+Bookkeeping with absolute lengths: below `base_length` the draft cache holds a prefix of the request's tokens.
+`propose` first catches up on the tokens the cache lacks (the last emitted token; after a fully accepted draft also
+the last draft token, which was never fed), then grows the draft depth by depth, best nodes first (EAGLE-2's
+dynamic tree): the `width` best nodes of the newest depth, by cumulative draft probability, go through one batched
+draft forward under a tree mask, and each proposes its `width` most likely tokens as children. A chain is the
+tree of width 1. Fed nodes sit in draft cache slots after `base_length`; `commit(accepted)` moves the accepted
+path's fed nodes into place and drops the rest.
+
+When to stop growing: with the machine's verify cost curve (automatic budget), as soon as one more draft forward
+cannot pay for itself even if its best child were accepted for sure; with a fixed budget, at that depth or once
+the best new node's cumulative probability falls below `min_confidence`.
+
+Under sampling, children are drawn without replacement from the draft distribution q after the request's
+temperature/top-k/top-p (Gumbel top-k: the order of the draw is the order of the perturbed scores), and each
+child's row in `Draft.probs` is q with its earlier siblings removed: the distribution it was drawn from, which is
+what the verifier's multi-round rule needs (verify.py). Under greedy, children are the top tokens, point masses.
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.masks import chain_mask
-from specdecode.sampling import sample, to_probs
+from specdecode.sampling import to_probs
+
+TREE_WIDTH = 3  # nodes expanded per depth and children per node in a tree draft; 1 drafts a chain
+
+
+@dataclass(slots=True)
+class Node:
+    token: int
+    parent: int  # node index, -1 = root
+    depth: int
+    prob: float  # its draft probability given its parent
+    score: float  # product of draft probabilities along the path: the estimate that the target accepts it
+    dist: int  # index of the distribution (of its parent's expansion) it was drawn from
+    drawn_before: list[int]  # sibling tokens drawn before it from that distribution
+    slot: int = -1  # draft cache slot once fed, -1 = never fed
 
 
 class DraftModelDrafter:
     def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 1024,
-                 min_confidence: float = 0.0) -> None:
+                 min_confidence: float = 0.0, width: int = 1, max_depth: int = 8) -> None:
         self.model = model
-        # Adaptive length: stop drafting once the draft's own top probability falls below this, because an
-        # unsure draft token is rarely accepted and every further guess costs a draft forward.
         self.min_confidence = min_confidence
+        self.width = width
+        self.max_depth = max_depth
         self.vocab_size = vocab_size  # the target's; a draft vocab that is padded differently is cut or padded
         self.initial_len = initial_len
         self.cache = None
         self.base_length = 0  # cache length when the last draft started: the tokens both models agree on
+        self.nodes: list[Node] = []  # the last draft's nodes, before the budget cut
+        self.kept: list[int] = []  # which of them went into the Draft, in its order
+        self.forward_s = 0.0  # running estimate of one draft forward's seconds
+
+    @property
+    def shape(self) -> str:
+        return "chain" if self.width == 1 else "tree"
 
     def reset(self) -> None:
         if self.cache is not None:
@@ -37,60 +71,147 @@ class DraftModelDrafter:
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         if max_tokens <= 0:
             return Draft.empty()
-        self._ensure_capacity(len(ctx.tokens) + max_tokens)
+        started = time.perf_counter()
+        self._ensure_capacity(len(ctx.tokens) + self.max_depth * self.width + 1)
         pending = ctx.tokens[self.cache.length :]  # [>= 1] tokens not yet in the draft cache
         if self.cache.length == 0 and len(pending) > 1:
             # Each position computed as the target computes it: the prompt batched (its prefill), every later
             # token as a one-row decode. With 8-bit activations a last-bit difference can flip a rounding, and a
             # draft that rounds like the target guesses more of its near-ties right.
-            self._forward(pending[:-1], decode=False)
+            self._feed(pending[:-1], decode=False)
             pending = pending[-1:]
-        logits = self._forward(pending)
+        logits = self._feed(pending)  # [1, vocab] after the root
         self.base_length = self.cache.length
-        tokens, probs = [], []
-        for i in range(max_tokens):
-            token, token_probs, confidence = self._choose(logits, ctx)
-            tokens.append(token)
-            probs.append(token_probs)
-            if i + 1 == max_tokens or confidence < self.min_confidence:
-                break  # the last draft token is fed on the next catch-up, and only if it is accepted
-            logits = self._forward(token)
-        draft_tokens = torch.cat(tokens)
-        draft_probs = None if ctx.params.greedy else torch.stack(probs)
-        return Draft.chain(draft_tokens, draft_probs)
+        nodes: list[Node] = []
+        dists: list[torch.Tensor] = []  # the distributions children were drawn from (sampling only)
+        parents_of_row = [-1]  # which node each row of `logits` belongs to
+        depth = 0
+        while True:
+            depth += 1
+            newest = self._children(logits, parents_of_row, depth, nodes, dists, ctx)
+            if depth >= min(self.max_depth, max_tokens, ctx.max_depth) or not newest:
+                break
+            expand = sorted(newest, key=lambda i: -nodes[i].score)[: self.width]
+            if not self._worth_growing(nodes, nodes[expand[0]], ctx, max_tokens, started):
+                break
+            logits = self._feed_nodes(expand, nodes)
+            parents_of_row = expand
+        return self._draft(nodes, dists, ctx, max_tokens)
 
-    def commit(self, num_accepted: int) -> None:
-        # Accepted draft tokens fed to the cache stay; rejected ones go. The last draft token was never fed.
+    def commit(self, accepted: list[int]) -> None:
+        # Accepted nodes that were fed stay, moved behind the agreed prefix; a node never fed (a leaf) ends them.
         if self.cache is None:  # nothing drafted yet (a request with a draft budget of 0)
             return
-        self.cache.truncate(min(self.cache.length, self.base_length + num_accepted))
+        slots = []
+        for index in accepted:
+            slot = self.nodes[self.kept[index]].slot
+            if slot < 0:
+                break
+            slots.append(slot)
+        self.cache.truncate(self.base_length)
+        if slots != list(range(self.base_length, self.base_length + len(slots))):
+            self.cache.keep(torch.tensor(slots, device=self.cache.k.device))
+        else:
+            self.cache.truncate(self.base_length + len(slots))
 
-    def _choose(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-        """-> (token [1], the draft distribution or None for greedy, the draft's top probability)."""
-        logits = self._fit_vocab(logits)  # [vocab]
+    def _children(self, logits: torch.Tensor, rows: list[int], depth: int, nodes: list[Node],
+                  dists: list[torch.Tensor], ctx: DraftContext) -> list[int]:
+        """Add the `width` children of each row's node (rows of logits [R, vocab]); -> the new node indices."""
+        logits = self._fit_vocab(logits)
         if ctx.params.greedy:
-            token = logits.argmax(-1, keepdim=True)
-            confidence = float(logits.float().softmax(-1)[token]) if self.min_confidence > 0 else 1.0
-            return token, None, confidence
-        probs = to_probs(logits, ctx.params)
-        return sample(probs, ctx.generator)[None], probs, float(probs.max())
+            probs = logits.float().softmax(-1)
+            top_probs, top_tokens = probs.topk(self.width, dim=-1)  # [R, width]
+        else:
+            probs = to_probs(logits, ctx.params)  # [R, vocab]
+            # Gumbel top-k: the largest log q + Gumbel noise are a draw without replacement, in draw order.
+            noise = -torch.empty_like(probs).exponential_(generator=ctx.generator).log()
+            top_tokens = (probs.log() + noise).topk(self.width, dim=-1).indices  # [R, width]
+            top_probs = probs.gather(-1, top_tokens)
+        new = []
+        for r, parent in enumerate(rows):
+            if not ctx.params.greedy:
+                dists.append(probs[r])
+            base = 1.0 if parent < 0 else nodes[parent].score
+            drawn: list[int] = []
+            for token, p in zip(top_tokens[r].tolist(), top_probs[r].tolist()):
+                if p <= 0.0:
+                    break  # nothing left to draw (top-k/top-p cut the distribution short)
+                nodes.append(Node(token, parent, depth, p, base * p, len(dists) - 1, list(drawn)))
+                new.append(len(nodes) - 1)
+                drawn.append(token)
+        return new
 
-    def _forward(self, tokens: list[int] | torch.Tensor, decode: bool = True) -> torch.Tensor:
-        """Feed tokens at the next cache positions; -> logits of the last one [vocab]."""
+    def _worth_growing(self, nodes: list[Node], best: Node, ctx: DraftContext, max_tokens: int,
+                       started: float) -> bool:
+        if ctx.costs is None:  # fixed budget: grow while the draft is sure of its newest best guess
+            return best.prob >= self.min_confidence
+        # One more draft forward adds at most best.score expected tokens (a child never scores above its parent).
+        best_new = best.score
+        scores = sorted((n.score for n in nodes), reverse=True)[:max_tokens]
+        spent = time.perf_counter() - started
+        n = ctx.costs.best_count(scores, spent)
+        expected, now = 1.0 + sum(scores[:n]), spent + ctx.costs.cost(n + 1)
+        grown = spent + self.forward_s + ctx.costs.cost(n + 2)
+        return (expected + best_new) / grown > expected / now
+
+    def _draft(self, nodes: list[Node], dists: list[torch.Tensor], ctx: DraftContext, max_tokens: int) -> Draft:
+        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, i))[:max_tokens]
+        self.nodes, self.kept = nodes, sorted(order)  # parents come before children, as in `nodes`
+        index = {node: i for i, node in enumerate(self.kept)}
+        kept = [nodes[i] for i in self.kept]
+        device = self.model.device
+        tokens = torch.tensor([n.token for n in kept], dtype=torch.long, device=device)
+        parents = torch.tensor([index[n.parent] if n.parent >= 0 else -1 for n in kept], dtype=torch.long,
+                               device=device)
+        probs = None
+        if not ctx.params.greedy:
+            rows = torch.stack([dists[n.dist] for n in kept])  # [n, vocab]
+            for row, node in zip(rows, kept):
+                if node.drawn_before:  # drawn without replacement: its siblings drawn earlier were not available
+                    row[node.drawn_before] = 0.0
+                    row /= row.sum()
+            probs = rows
+        return Draft(tokens, parents, probs, [n.score for n in kept])
+
+    def _feed_nodes(self, expand: list[int], nodes: list[Node]) -> torch.Tensor:
+        """One draft forward over the nodes `expand` (one depth), each seeing the prefix and its ancestors."""
+        start, count = self.cache.length, len(expand)
+        mask = torch.zeros(1, 1, count, start + count, dtype=torch.bool, device=self.model.device)
+        mask[..., : self.base_length] = True
+        for row, i in enumerate(expand):
+            nodes[i].slot = start + row
+            ancestor = i
+            while ancestor >= 0:
+                mask[0, 0, row, nodes[ancestor].slot] = True
+                ancestor = nodes[ancestor].parent
+        positions = torch.tensor([[self.base_length - 1 + nodes[i].depth for i in expand]], device=self.model.device)
+        ids = torch.tensor([[nodes[i].token for i in expand]], device=self.model.device)
+        return self._forward(ids, positions, mask, decode=True)
+
+    def _feed(self, tokens: list[int], decode: bool = True) -> torch.Tensor:
+        """Feed a chain of tokens at the next cache positions; -> the last one's logits [1, vocab]."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).view(1, -1)  # [1, T]
         start, count = self.cache.length, ids.shape[1]
         positions = torch.arange(start, start + count, device=ids.device)[None]
-        mask = chain_mask(start, count, ids.device)
-        logits, _ = self.model(ids, positions, self.cache, mask, logits_from=count - 1, decode=decode)
+        return self._forward(ids, positions, chain_mask(start, count, ids.device), decode, logits_from=count - 1)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, decode: bool,
+                 logits_from: int = 0) -> torch.Tensor:
+        start, count = self.cache.length, ids.shape[1]
+        began = time.perf_counter()
+        logits, _ = self.model(ids, positions, self.cache, mask, logits_from=logits_from, decode=decode)
         self.cache.truncate(start + count)
-        return logits[0, -1]
+        if decode:
+            seconds = time.perf_counter() - began
+            self.forward_s = seconds if self.forward_s == 0 else 0.8 * self.forward_s + 0.2 * seconds
+        return logits[0]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         size = logits.shape[-1]
         if size == self.vocab_size:
             return logits
         if size > self.vocab_size:
-            return logits[: self.vocab_size]
+            return logits[..., : self.vocab_size]
         return torch.nn.functional.pad(logits, (0, self.vocab_size - size), value=float("-inf"))
 
     def _ensure_capacity(self, needed: int) -> None:

@@ -3,7 +3,13 @@
 If the last n tokens of the context already occurred earlier (in the prompt or in what was generated), guess
 that what followed them then follows them now (Saxena 2023, "prompt lookup decoding"; Yang et al. 2023, LLMA).
 Longer n-grams are tried first because they predict better; the most recent occurrence wins because generated
-text tends to repeat what is near. Drafts are point masses (probs=None).
+text tends to repeat what is near. A tree draft takes several matches (longest n-gram first, most recent first)
+and merges their continuations into a trie: where the earlier occurrences disagree, the branches become siblings.
+Drafts are point masses (probs=None).
+
+Scores (the budget chooser's estimate that a node is accepted): the share of the matches that pass through the
+node among those through its parent, times the running rate at which the target accepted an n-gram guess whose
+parent it accepted (this request's own record, starting from an even guess).
 """
 
 from __future__ import annotations
@@ -13,35 +19,91 @@ import torch
 
 from specdecode.drafters.base import Draft, DraftContext
 
+PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # the running acceptance rate starts as 1 accepted out of 2 tried
+
 
 class NgramDrafter:
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.branches = branches  # continuations merged into the draft; 1 drafts a chain
+        self.reset()
+
+    @property
+    def shape(self) -> str:
+        return "chain" if self.branches == 1 else "tree"
 
     def reset(self) -> None:
-        pass
+        self.tried, self.hits = PRIOR_WEIGHT, PRIOR_RATE * PRIOR_WEIGHT
+        self.parents: list[int] = []
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        found = lookup(np.asarray(ctx.tokens, dtype=np.int64), max_tokens, self.max_ngram, self.min_ngram)
-        return Draft.chain(torch.from_numpy(found))
+        found = lookup_all(np.asarray(ctx.tokens, dtype=np.int64), min(max_tokens, ctx.max_depth), self.max_ngram,
+                           self.min_ngram, self.branches)
+        tokens, parents, share = trie(found, max_tokens)
+        self.parents = parents
+        rate = self.hits / self.tried
+        scores: list[float] = []
+        for parent, fraction in zip(parents, share):
+            scores.append((1.0 if parent < 0 else scores[parent]) * rate * fraction)
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None, scores)
 
-    def commit(self, num_accepted: int) -> None:
-        pass
+    def commit(self, accepted: list[int]) -> None:
+        # One trial per accepted node that had children (and the root): was one of its children accepted?
+        has_children = {p for p in self.parents}
+        on_path = [-1] + accepted
+        for i, node in enumerate(on_path):
+            if node in has_children:
+                self.tried += 1
+                self.hits += i + 1 < len(on_path)
 
 
-def lookup(tokens: np.ndarray, max_tokens: int, max_ngram: int, min_ngram: int) -> np.ndarray:
-    """Continuation (up to max_tokens) of the latest earlier match of the longest matching suffix -> [m]."""
+def trie(continuations: list[np.ndarray], max_tokens: int) -> tuple[list[int], list[int], list[float]]:
+    """Merge continuations (best first) into a trie of at most max_tokens nodes, parents before children.
+    -> (tokens, parents, share of the parent's continuations that pass through each node)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    through: list[int] = []  # continuations passing through each node
+    child_of: dict[tuple[int, int], int] = {}
+    for continuation in continuations:
+        node = -1
+        for token in continuation.tolist():
+            key = (node, token)
+            if key not in child_of:
+                if len(tokens) == max_tokens:
+                    break
+                child_of[key] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+                through.append(0)
+            node = child_of[key]
+            through[node] += 1
+    total = len(continuations)
+    share = [through[i] / (through[p] if p >= 0 else total) for i, p in enumerate(parents)]
+    return tokens, parents, share
+
+
+def lookup_all(tokens: np.ndarray, max_tokens: int, max_ngram: int, min_ngram: int,
+               count: int) -> list[np.ndarray]:
+    """Continuations (up to max_tokens each) of up to `count` earlier matches of the context's suffix: longest
+    n-gram first, most recent first, distinct continuations only."""
     length = tokens.size
+    found: list[np.ndarray] = []
     if max_tokens <= 0:
-        return tokens[:0]
+        return found
+    seen: set[bytes] = set()
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = tokens[length - n :]
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)  # [length - n, n]
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if starts.size:
-            follow = starts[-1] + n  # the latest match; its continuation is non-empty as it ends before the suffix
-            return tokens[follow : follow + max_tokens].copy()
-    return tokens[:0]
+        for start in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
+            follow = start + n  # non-empty: the match ends before the suffix
+            continuation = tokens[follow : follow + max_tokens]
+            if continuation.tobytes() not in seen:
+                seen.add(continuation.tobytes())
+                found.append(continuation.copy())
+                if len(found) == count:
+                    return found
+    return found
+

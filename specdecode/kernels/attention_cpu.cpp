@@ -1,10 +1,12 @@
-// Decode attention for CPUs with AVX2 + FMA: each query row attends to a prefix of the KV cache, computed by one
-// fixed sequence of operations that depends only on that row and its prefix length, never on how many rows are in
-// the call. With the batch-invariant linear kernel this makes a verify forward equal one-token forwards bit for bit;
-// it is also far cheaper than one stock attention call per row.
+// Decode attention for CPUs with AVX2 + FMA: each query row attends to its own list of KV cache slots, computed by
+// one fixed sequence of operations that depends only on that row's slots, never on how many rows are in the call.
+// With the batch-invariant linear kernel this makes a verify forward equal one-token forwards bit for bit; it is
+// also far cheaper than one stock attention call per row.
 //
-// q [B, H, T, D] float32; k_cache, v_cache [B, Hkv, S_max, D] float32 or bfloat16; spans [T]: row t attends to
-// slots [0, spans[t]). Grouped-query attention: head h reads KV head h / (H / Hkv). Returns [B, H, T, D] float32.
+// q [B, H, T, D] float32; k_cache, v_cache [B, Hkv, S_max, D] float32 or bfloat16. Row t attends to slots
+// [0, spans[t]) and then to the slots extras[t] in order (a tree node's ancestors: empty for a chain). A tree row
+// whose ancestors sit at scattered slots thus runs exactly the operations a one-token forward of its path runs
+// over contiguous slots. Grouped-query attention: head h reads KV head h / (H / Hkv). Returns [B, H, T, D] float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,32 +26,37 @@ inline __m256 load8(const at::BFloat16* p) {
 
 using specdecode::lane_sum;
 
-// One query row: softmax(q . k[s] * scale) over s < span, then the weighted sum of v[s], all in float32.
+// One query row: softmax(q . k[s] * scale) over its slots, then the weighted sum of v[s], all in float32.
+// Slot j of the row is j for j < span, extra[j - span] after.
 template <typename T>
-void attend_row(const float* q, const T* k, const T* v, int64_t span, int64_t D, float scale, float* scores,
-                float* out) {
+void attend_row(const float* q, const T* k, const T* v, int64_t span, const std::vector<int64_t>& extra, int64_t D,
+                float scale, float* scores, float* out) {
+  const int64_t count = span + static_cast<int64_t>(extra.size());
+  auto slot = [&](int64_t j) { return j < span ? j : extra[j - span]; };
   float top = -INFINITY;
-  for (int64_t s = 0; s < span; ++s) {
+  for (int64_t j = 0; j < count; ++j) {
+    const T* key = k + slot(j) * D;
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(load8(q + d), load8(k + s * D + d), acc);
-    scores[s] = lane_sum(acc) * scale;
-    top = std::max(top, scores[s]);
+    for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(load8(q + d), load8(key + d), acc);
+    scores[j] = lane_sum(acc) * scale;
+    top = std::max(top, scores[j]);
   }
   float total = 0.f;
-  for (int64_t s = 0; s < span; ++s) {
-    scores[s] = std::exp(scores[s] - top);
-    total += scores[s];
+  for (int64_t j = 0; j < count; ++j) {
+    scores[j] = std::exp(scores[j] - top);
+    total += scores[j];
   }
   for (int64_t d = 0; d < D; d += 8) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t s = 0; s < span; ++s) acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[s]), load8(v + s * D + d), acc);
+    for (int64_t j = 0; j < count; ++j)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), load8(v + slot(j) * D + d), acc);
     _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(1.f / total)));
   }
 }
 
 template <typename T>
 void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-            const std::vector<int64_t>& spans, torch::Tensor& out) {
+            const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3);
   const int64_t Hkv = k_cache.size(1), S_max = k_cache.size(2), group = H / Hkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -57,12 +64,14 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   float* op = out.data_ptr<float>();
+  const std::vector<int64_t> none;
   at::parallel_for(0, B * H * T_, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores(S_max);
     for (int64_t i = first; i < last; ++i) {
       const int64_t b = i / (H * T_), h = (i / T_) % H, t = i % T_;
       const int64_t kv = (b * Hkv + h / group) * S_max * D;
-      attend_row(qp + i * D, kp + kv, vp + kv, spans[t], D, scale, scores.data(), op + i * D);
+      attend_row(qp + i * D, kp + kv, vp + kv, spans[t], extras.empty() ? none : extras[t], D, scale, scores.data(),
+                 op + i * D);
     }
   });
 }
@@ -70,7 +79,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
 }  // namespace
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               std::vector<int64_t> spans) {
+                               std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: float32 [B, H, T, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: [B, Hkv, S, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches must share a dtype");
@@ -78,12 +87,17 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
               "head dim must be a multiple of 8 and match; heads a multiple of KV heads");
   TORCH_CHECK(static_cast<int64_t>(spans.size()) == q.size(2), "one span per query row");
   for (int64_t span : spans) TORCH_CHECK(span > 0 && span <= k_cache.size(2), "span out of the cache");
+  TORCH_CHECK(extras.empty() || extras.size() == spans.size(), "extra slots: none, or one list per query row");
+  for (size_t t = 0; t < extras.size(); ++t)
+    for (int64_t s : extras[t])
+      TORCH_CHECK(s >= spans[t] && s < k_cache.size(2) && spans[t] + extras[t].size() <= size_t(k_cache.size(2)),
+                  "extra slot out of the cache");
   auto out = torch::empty_like(q);
   if (k_cache.scalar_type() == torch::kFloat32) {
-    attend<float>(q, k_cache, v_cache, spans, out);
+    attend<float>(q, k_cache, v_cache, spans, extras, out);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "caches must be float32 or bfloat16");
-    attend<at::BFloat16>(q, k_cache, v_cache, spans, out);
+    attend<at::BFloat16>(q, k_cache, v_cache, spans, extras, out);
   }
   return out;
 }

@@ -22,7 +22,7 @@ torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& cod
                                 int64_t bits, int64_t offset);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               std::vector<int64_t> spans);
+                               std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras);
 
 torch::Tensor rope_store(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
@@ -39,5 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_c16_legacy", &linear_c16_legacy, "y = x @ W^T + b, 32-weight-block W with 16 channels per vector");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32, batch-invariant");
   m.def("rope_store", &rope_store, "rotary q and k, k and v into the cache, q as [B, H, T, D]");
-  m.def("decode_attention", &decode_attention, "per-row prefix attention, batch-invariant");
+  m.def("decode_attention", &decode_attention, "per-row attention over a prefix then extra slots, batch-invariant",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("spans"),
+        py::arg("extras") = std::vector<std::vector<int64_t>>());
 }

@@ -1,0 +1,116 @@
+"""How many draft tokens to verify: chosen from what a target forward costs on this machine.
+
+A verify forward over m tokens costs C(m), measured once per model, weights, dtype and machine and cached (a few
+seconds). A drafter scores each node with its estimate that the node is accepted (for a draft model the product
+of its own probabilities along the path). Keeping the best n nodes is expected to emit 1 + (sum of their scores)
+tokens (the expected accepted length of a tree is the sum over its nodes of P(node accepted), plus the target's own
+token) in D + C(n + 1) seconds, D being what drafting took. The chooser keeps the n that maximises that ratio.
+On a GPU C is flat and n grows; on a CPU, where C(8) is 1.6x C(1), it stays small.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MAX_MEASURED = 16  # tokens per forward measured; beyond that the curve is extrapolated linearly
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    seconds: tuple[float, ...]  # [m - 1]: one target forward over m tokens (after a short cached prefix)
+
+    def cost(self, m: int) -> float:
+        if m <= len(self.seconds):
+            return self.seconds[max(m, 1) - 1]
+        slope = self.seconds[-1] - self.seconds[-2] if len(self.seconds) > 1 else self.seconds[-1]
+        return self.seconds[-1] + slope * (m - len(self.seconds))
+
+    def ratios(self) -> list[float]:
+        """Cost relative to a one-token forward, for reports."""
+        return [s / self.seconds[0] for s in self.seconds]
+
+    def best_count(self, scores: list[float], draft_seconds: float = 0.0) -> int:
+        """How many of the nodes (scores sorted best first) to verify: argmax (1 + sum) / (D + C(n + 1))."""
+        best, best_rate, expected = 0, 1.0 / (draft_seconds + self.cost(1)), 1.0
+        for n, score in enumerate(scores, start=1):
+            expected += score
+            rate = expected / (draft_seconds + self.cost(n + 1))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+    def to_dict(self) -> dict:
+        return {"seconds": list(self.seconds), "ratio_to_one_token": [round(r, 3) for r in self.ratios()]}
+
+
+def machine_key() -> str:
+    """What makes a timing comparable: CPU model and flags (or GPU name), threads, torch version."""
+    cpu = ""
+    if Path("/proc/cpuinfo").exists():
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = " ".join(line.split(":", 1)[1].strip() for line in info.splitlines()
+                       if line.startswith(("model name", "flags")))[:4000]  # fmt: skip
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return f"{platform.machine()} {cpu} {gpu} threads={torch.get_num_threads()} torch={torch.__version__}"
+
+
+def curve_path(model_key: str, cache: Path | None = None) -> Path:
+    from specdecode.hub import cache_dir
+
+    digest = hashlib.sha256(f"{model_key}\n{machine_key()}".encode()).hexdigest()[:16]
+    return (cache or cache_dir()) / "cost-curves" / f"{digest}.json"
+
+
+@torch.inference_mode()
+def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int = 128,
+            repeats: int = 3) -> CostCurve:
+    """Best-of-`repeats` seconds of a decode-mode target forward over 1..max_tokens tokens after `prefix`
+    cached tokens (the verify forward the engine runs; attention over a short prefix is a small share)."""
+    from specdecode.masks import chain_mask
+
+    device = target.device
+    vocab = target.config.vocab_size
+    cache = target.new_cache(1, prefix + max_tokens)
+    ids = torch.arange(prefix + max_tokens, device=device)[None] * 7919 % vocab  # any tokens: cost is data-blind
+    target(ids[:, :prefix], torch.arange(prefix, device=device)[None], cache, chain_mask(0, prefix, device),
+           logits_from=prefix - 1)
+    seconds = []
+    for m in range(1, max_tokens + 1):
+        best = float("inf")
+        for _ in range(repeats):
+            cache.truncate(prefix)
+            start = time.perf_counter()
+            target(ids[:, prefix : prefix + m], torch.arange(prefix, prefix + m, device=device)[None], cache,
+                   chain_mask(prefix, m, device), decode=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        seconds.append(best)
+    return CostCurve(tuple(seconds))
+
+
+def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None = None) -> CostCurve:
+    """The cached curve for this model on this machine, measured (and saved) on first use."""
+    path = curve_path(model_key, cache)
+    if path.exists():
+        try:
+            return CostCurve(tuple(json.loads(path.read_text())["seconds"]))
+        except (ValueError, KeyError):
+            pass  # a damaged file is measured again
+    print("specdecode: measuring what a verify forward costs on this machine (once, a few seconds)...",
+          file=sys.stderr)
+    curve = measure(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"model": model_key, "machine": machine_key()[:200], **curve.to_dict()}))
+    tmp.replace(path)
+    return curve
