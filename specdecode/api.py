@@ -26,6 +26,7 @@ from specdecode.loading import load_model, load_tokenizer, plan_load
 from specdecode.model import Transformer
 from specdecode.stats import GenerationStats
 from specdecode.text import TextStream
+from specdecode.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -69,12 +70,15 @@ class SpecDecoder:
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = "draft",
              num_draft_tokens: int | None = None, dtype: str = "auto", device: str = "cpu",
              max_len: int = 8192, max_ngram: int = 3, quantize: str = "none",
-             draft_quantize: str = "auto", weights: str = "auto", draft_shape: str = DEFAULT_DRAFT_SHAPE) -> SpecDecoder:
+             draft_quantize: str = "auto", weights: str = "auto", draft_shape: str = DEFAULT_DRAFT_SHAPE,
+             draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None) -> SpecDecoder:
         """`weights` = 'auto' runs a GGUF file's quantized blocks as stored on CPU (the model llama.cpp runs),
         'float' de-quantizes it to `dtype`. `quantize` writes a float target in blocks (q8_0, q4_k; the output
         stays exact for that target); `draft_quantize` only changes how good and how cheap the guesses are.
         `num_draft_tokens` None chooses the draft size per step from what a verify forward costs on this machine
-        (measured once and cached); `draft_shape` 'tree' drafts several guesses per position, 'chain' one."""
+        (measured once and cached); `draft_shape` 'tree' drafts several guesses per position, 'chain' one.
+        `draft_vocab` cuts the draft's LM head to that many frequent tokens (0: whole vocabulary), counted on
+        `draft_vocab_corpus` (jsonl files) or on the instruction data shipped for the vocabulary."""
         if method not in DRAFTERS:
             raise SpecdecodeError(f"unknown method '{method}': choose one of {', '.join(DRAFTERS)}")
         if draft_shape not in DRAFT_SHAPES:
@@ -86,6 +90,7 @@ class SpecDecoder:
         if draft is not None:
             check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
             draft_model, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
+            cut_draft_head(draft_model, tokenizer, draft, draft_vocab, draft_vocab_corpus)
         if draft_shape == "tree" and not isinstance(model, Transformer):
             draft_shape = "chain"  # trees need the native model's tree attention; transformers' verify chains
         drafter = build_drafter(method, model, draft_model, max_ngram, draft_shape)

@@ -72,9 +72,11 @@ def curve_path(model_key: str, cache: Path | None = None) -> Path:
 
 @torch.inference_mode()
 def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int = 128,
-            repeats: int = 3) -> CostCurve:
-    """Best-of-`repeats` seconds of a decode-mode target forward over 1..max_tokens tokens after `prefix`
-    cached tokens (the verify forward the engine runs; attention over a short prefix is a small share)."""
+            repeats: int = 5) -> CostCurve:
+    """Seconds of a decode-mode target forward over 1..max_tokens tokens after `prefix` cached tokens (the
+    verify forward the engine runs; attention over a short prefix is a small share). Sizes take turns, so a
+    slow spell of a shared machine hits them all; each keeps its fastest run, and a larger forward is never
+    recorded as cheaper than a smaller one."""
     from specdecode.masks import chain_mask
 
     device = target.device
@@ -83,19 +85,19 @@ def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int
     ids = torch.arange(prefix + max_tokens, device=device)[None] * 7919 % vocab  # any tokens: cost is data-blind
     target(ids[:, :prefix], torch.arange(prefix, device=device)[None], cache, chain_mask(0, prefix, device),
            logits_from=prefix - 1)
-    seconds = []
-    for m in range(1, max_tokens + 1):
-        best = float("inf")
-        for _ in range(repeats):
+    best = [float("inf")] * max_tokens
+    for _ in range(repeats):
+        for m in range(1, max_tokens + 1):
             cache.truncate(prefix)
             start = time.perf_counter()
             target(ids[:, prefix : prefix + m], torch.arange(prefix, prefix + m, device=device)[None], cache,
                    chain_mask(prefix, m, device), decode=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        seconds.append(best)
-    return CostCurve(tuple(seconds))
+            best[m - 1] = min(best[m - 1], time.perf_counter() - start)
+    for m in range(1, max_tokens):
+        best[m] = max(best[m], best[m - 1])
+    return CostCurve(tuple(best))
 
 
 def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None = None) -> CostCurve:

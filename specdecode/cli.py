@@ -9,10 +9,11 @@ import argparse
 import json
 import sys
 
-from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.api import DEFAULT_DRAFT, DEFAULT_DRAFT_SHAPE, DEFAULT_TARGET, DRAFT_SHAPES
 from specdecode.config import SamplingParams
 from specdecode.drafters import DRAFTERS
 from specdecode.errors import SpecdecodeError
+from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
 
 ACCEPTED_COLOR, RESET = "\033[32m", "\033[0m"  # green: tokens the drafter guessed and the target accepted
 
@@ -22,7 +23,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for --method draft (same tokenizer)")
     p.add_argument("--method", default="draft", choices=list(DRAFTERS), help="how tokens are drafted")
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens per step (default per method)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="draft tokens verified per step (default: chosen each step from what a verify forward "
+                        "costs on this machine, measured once and cached)")
+    p.add_argument("--draft-shape", default=DEFAULT_DRAFT_SHAPE, choices=list(DRAFT_SHAPES),
+                   help="tree: several guesses per position, verified at once; chain: one guess per position")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_weight_args(p)
@@ -39,6 +44,12 @@ def add_weight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "q8_0", "q4_k", "int8", "int4"],
                    help="blocks for a float draft model: changes speed only, never the output "
                         "(auto: a GGUF draft as stored, a float one in q8_0 on CPU)")
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_HEAD_SIZE, metavar="N",
+                   help="the draft model's LM head scores only the N most frequent tokens (cheaper drafts, same "
+                        "output); 0 = the whole vocabulary")
+    p.add_argument("--draft-vocab-corpus", action="append", metavar="FILE",
+                   help="jsonl text of your domain to count token frequencies on (repeatable; default: the "
+                        "instruction data shipped for the draft's vocabulary)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,7 +66,8 @@ def load_decoder(args: argparse.Namespace):
     return SpecDecoder.load(args.target, draft=args.draft, method=args.method,
                             num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, device=args.device,
                             max_len=args.max_len, quantize=args.quantize, draft_quantize=args.draft_quantize,
-                            weights=args.weights)
+                            weights=args.weights, draft_shape=args.draft_shape, draft_vocab=args.draft_vocab,
+                            draft_vocab_corpus=args.draft_vocab_corpus)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -43,6 +43,27 @@ from specdecode.weights import conversion_prefix
 CHANNEL_MULTIPLE = 16  # rows per vector of quantize.QuantLinear's 16-channel kernel
 
 
+def vocab_fingerprint(tokenizer: Any) -> str:
+    """A short hash of a tokenizer's vocabulary (token -> id): packaged frequency lists apply only to it."""
+    import hashlib
+
+    items = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256("\n".join(f"{i} {t}" for t, i in items).encode()).hexdigest()[:16]
+
+
+def packaged_ranking(tokenizer: Any) -> torch.Tensor | None:
+    """Ids most frequent first, counted on instruction data and shipped with specdecode for this tokenizer's
+    vocabulary (resources/frequent-tokens-*.npz); None when none matches."""
+    folder = Path(__file__).parent / "resources"
+    fingerprint = None
+    for path in sorted(folder.glob("frequent-tokens-*.npz")):
+        with np.load(path) as data:
+            fingerprint = fingerprint or vocab_fingerprint(tokenizer)
+            if str(data["fingerprint"]) == fingerprint:
+                return torch.from_numpy(data["ids"].astype(np.int64))
+    return None
+
+
 def frequent_tokens(counts: torch.Tensor, size: int, always: Iterable[int] = (),
                     multiple: int = CHANNEL_MULTIPLE) -> torch.Tensor:
     """The ids of the `size` most frequent tokens (ties: lower id first) plus every id in `always`, padded with
@@ -210,3 +231,47 @@ def _linear_rows(weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Ten
 def _check_ids(ids: torch.Tensor, vocab: int) -> None:
     if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
         raise ValueError(f"token ids must lie in [0, {vocab})")
+
+
+DEFAULT_HEAD_SIZE = 32768  # FR-Spec's speed peak; a multiple of 16
+
+
+def cut_draft_head(model: nn.Module, tokenizer: Any, source: str, size: int = DEFAULT_HEAD_SIZE,
+                   corpus: list[str] | None = None) -> bool:
+    """Restrict a loaded draft model's LM head to the `size` most frequent tokens of its tokenizer, counted on
+    `corpus` (jsonl files; counts cached beside the converted weights) or, without one, on the instruction data
+    shipped for this vocabulary. -> whether the head was cut: not when `size` is 0 or covers the vocabulary, nor
+    when no frequency list matches the tokenizer (ranking by id alone loses more acceptance than it saves)."""
+    from specdecode.model import Transformer
+
+    vocab = model.config.vocab_size
+    if size <= 0 or size >= vocab or not isinstance(model, Transformer):  # transformers' models keep their head
+        return False
+    if corpus:
+        stamp = ",".join(f"{Path(p).name}:{Path(p).stat().st_size}:{int(Path(p).stat().st_mtime)}" for p in corpus)
+        key = __import__("hashlib").sha256(stamp.encode()).hexdigest()[:12]
+        path = subset_path(hub_source_path(source), vocab, f"counts-{key}")
+        counts = load_or_build(path, lambda: count_tokens(tokenizer, texts_from_jsonl(corpus), vocab))
+        ranking = torch.sort(counts, descending=True, stable=True).indices
+    else:
+        ranking = packaged_ranking(tokenizer)
+        if ranking is None:
+            return False
+    ranking = ranking[ranking < vocab]
+    rest = torch.ones(vocab, dtype=torch.bool)
+    rest[ranking] = False
+    ranking = torch.cat((ranking, rest.nonzero().squeeze(-1)))  # ids never counted follow, lowest (earliest merge) first
+    always = {*tokenizer.all_special_ids, *model.config.eos_token_ids}
+    ids = _top(ranking, size, [i for i in always if 0 <= i < vocab], CHANNEL_MULTIPLE)
+    head = model.lm_head
+    stored = None
+    if isinstance(head, QuantLinear) and head.packed is None:
+        stored = stored_head(hub_source_path(source))
+    restrict_lm_head(model, ids, stored)
+    return True
+
+
+def hub_source_path(source: str) -> Path:
+    from specdecode.weights import resolve_source
+
+    return Path(resolve_source(source))

@@ -33,17 +33,21 @@ def test_bad_input_is_one_clear_line(args, words):
 @pytest.mark.e2e
 def test_generate_json_on_smollm2_is_lossless_across_methods():
     outputs = {}
-    for method in ("none", "ngram", "draft"):
+    for name, method, shape in (("none", "none", "chain"), ("ngram", "ngram", "tree"), ("draft", "draft", "chain"),
+                                ("draft-tree", "draft", "tree")):
         result = cli("generate", "Write a Python function that adds two numbers.", "--chat", "--json",
                      "--target", SMOL, "--draft", SMOL, "--method", method, "--max-new-tokens", "24",
-                     "--dtype", "float32", "--draft-quantize", "none")
+                     "--dtype", "float32", "--draft-quantize", "none", "--draft-shape", shape)
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
         assert {"text", "token_ids", "stats"} <= out.keys()
         for key in ("new_tokens", "wall_s", "acceptance_rate", "mean_accepted_length"):
             assert key in out["stats"]
-        outputs[method] = out
-    assert outputs["ngram"]["token_ids"] == outputs["none"]["token_ids"]
-    assert outputs["draft"]["token_ids"] == outputs["none"]["token_ids"]
+        outputs[name] = out
+    for name in ("ngram", "draft", "draft-tree"):
+        assert outputs[name]["token_ids"] == outputs["none"]["token_ids"], name
     assert outputs["draft"]["stats"]["acceptance_rate"] == 1.0  # the draft is the target itself
+    tree = outputs["draft-tree"]["stats"]  # every step's best path is accepted whole; siblings never are
+    assert tree["draft_budget"] == "auto" and tree["verify_costs"]["seconds"]
+    assert tree["accepted_path_length"] == pytest.approx(tree["mean_accepted_length"] - 1, abs=0.5)
     assert outputs["none"]["stats"]["mean_accepted_length"] == 1.0

@@ -51,13 +51,14 @@ def test_greedy_speculation_is_token_identical_on_the_stored_path(stored):
     model, tokenizer = stored
     params = SamplingParams(max_new_tokens=48)
     outputs = {}
-    for method, k in (("none", 0), ("ngram", 4), ("draft", 5)):
-        drafter = build_drafter(method, model, model if method == "draft" else None)
+    for method, shape, k in (("none", "chain", 0), ("ngram", "tree", 4), ("draft", "chain", 5), ("draft", "tree", 5)):
+        drafter = build_drafter(method, model, model if method == "draft" else None, shape=shape)
         decoder = SpecDecoder(model, tokenizer, drafter, method, k)
-        outputs[method] = decoder.generate(PROMPT, params).token_ids
-        if method == "draft":  # the draft is the target itself, computed the same way: every guess is right
+        outputs[method, shape] = decoder.generate(PROMPT, params).token_ids
+        if method == "draft" and shape == "chain":  # the draft is the target, computed the same way: always right
             assert decoder.stats.acceptance_rate == 1.0
-    assert outputs["ngram"] == outputs["none"] and outputs["draft"] == outputs["none"]
+    for key, tokens in outputs.items():
+        assert tokens == outputs["none", "chain"], key
 
 
 def test_llamacpp_reads_the_same_file_and_mostly_agrees(stored):

@@ -32,10 +32,20 @@ def reference(target):
     return run(Engine(target, NoDrafter()), PROMPT, SamplingParams(max_new_tokens=40))
 
 
+def subset_head_draft(seed: int):
+    """A draft whose LM head scores only half the vocabulary (vocab_subset.restrict_lm_head)."""
+    from specdecode.vocab_subset import restrict_lm_head
+
+    model = tiny_native("qwen2", seed=seed)
+    restrict_lm_head(model, torch.arange(0, 64, 2))
+    return model
+
+
 def drafters(target):
     true = lambda: run(Engine(target, NoDrafter()), PROMPT, SamplingParams(max_new_tokens=60))
     full = PROMPT + true()
     return {
+        "draft-model-subset-head": DraftModelDrafter(subset_head_draft(1), vocab_size=64, width=2),
         "ngram": NgramDrafter(),
         "ngram-tree": NgramDrafter(branches=4),
         "draft-model-tree": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, width=3),
@@ -147,7 +157,7 @@ def exact_sequence_probs(chain: torch.Tensor, start: int, length: int, eos: int)
     return out
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree", "ngram-tree"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "ngram-tree", "subset-head-tree"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_new_tokens=3),
                                     SamplingParams(temperature=0.6, top_k=3, max_new_tokens=3)])
 def test_whole_loop_output_distribution_is_the_targets(params, shape):
@@ -162,6 +172,10 @@ def test_whole_loop_output_distribution_is_the_targets(params, shape):
     target = BigramModel(target_chain, eos=(eos,))
     if shape == "ngram-tree":
         drafter = NgramDrafter(max_ngram=2, branches=3)
+    elif shape == "subset-head-tree":  # the draft can only propose tokens 0 and 2: q is the renormalised subset
+        draft = BigramModel(draft_chain[:, [0, 2]] / draft_chain[:, [0, 2]].sum(-1, keepdim=True))
+        draft.head_tokens = torch.tensor([0, 2])
+        drafter = DraftModelDrafter(draft, vocab_size=vocab, width=2)
     else:
         drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=1 if shape == "chain" else 2)
     engine = Engine(target, drafter, num_draft_tokens=4)

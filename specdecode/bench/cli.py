@@ -72,7 +72,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plan = plan_load(args.target, draft, args.dtype, args.device, args.quantize, args.draft_quantize, args.weights)
     print(f"bench: {len(prompts)} prompts, methods {', '.join(methods)}; {plan.describe()}; loading models...",
           file=sys.stderr)
-    models = load_models(args.target, args.draft, methods, plan, args.device)
+    models = load_models(args.target, args.draft, methods, plan, args.device, args.draft_vocab,
+                         args.draft_vocab_corpus)
     ours_auto = args.num_draft_tokens is None and any(runner_is_ours(m) for m in methods if m != "none")
     costs = load_or_measure(models.target, f"{args.target} | {plan.describe()} | {args.device}") if ours_auto else None
     if costs is not None:
@@ -113,6 +114,7 @@ def settings(args: argparse.Namespace, methods: list[str], greedy: bool, plan: L
         "num_draft_tokens": args.num_draft_tokens, "max_ngram": args.max_ngram, "max_len": args.max_len,
         "prompt_as_chat": args.prompt_as_chat, "weights": plan.weights, "quantize": plan.quantize,
         "draft_weights": plan.draft_weights, "draft_quantize": plan.draft_quantize, "threads": torch.get_num_threads(),
+        "draft_vocab": args.draft_vocab, "draft_vocab_corpus": args.draft_vocab_corpus,
         "peak_memory": "process RSS high-water mark (ru_maxrss): process-wide, every loaded model included"
                        if cpu else "torch.cuda.max_memory_allocated, reset before each generation",
         "hf_ttft": "time until transformers' streamer receives the first generated token",

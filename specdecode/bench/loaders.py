@@ -32,6 +32,7 @@ from specdecode.bench.runners import HFRunner, Runner, SpecRunner
 from specdecode.drafters import DRAFTERS
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, load_model, load_tokenizer
+from specdecode.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
 from specdecode.weights import load_checkpoint, resolve_source
 
 BASELINE = "none"
@@ -94,8 +95,10 @@ class BenchModels:
         return list(self.target.config.eos_token_ids)
 
 
-def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, device: str) -> BenchModels:
-    """Our models as SpecDecoder.load builds them (`plan`); transformers' always unquantized."""
+def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, device: str,
+                draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None) -> BenchModels:
+    """Our models as SpecDecoder.load builds them (`plan`, the draft's head cut to `draft_vocab` frequent
+    tokens); transformers' always unquantized."""
     model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
     if tokenizer is None:
         raise SpecdecodeError(f"target '{target}' ships no tokenizer; the benchmark needs one to encode prompts")
@@ -104,6 +107,7 @@ def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, dev
         check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
     if NEEDS_DRAFT & set(methods) - {"hf-assisted"}:
         models.draft, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
+        cut_draft_head(models.draft, tokenizer, draft, draft_vocab, draft_vocab_corpus)
     hf_dtype = torch.bfloat16 if plan.weights == "stored" else plan.dtype
     if any(m in HF_METHODS for m in methods):
         models.hf_target = load_hf(target, hf_dtype, device)

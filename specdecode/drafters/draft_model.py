@@ -207,6 +207,11 @@ class DraftModelDrafter:
         return logits[0]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [R, size] -> over the target's vocabulary [R, vocab_size]."""
+        head_tokens = getattr(self.model, "head_tokens", None)
+        if head_tokens is not None:  # a head over frequent tokens only (vocab_subset.py): the rest are never drafted
+            full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+            return full.index_copy_(-1, head_tokens, logits)
         size = logits.shape[-1]
         if size == self.vocab_size:
             return logits

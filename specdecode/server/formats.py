@@ -29,7 +29,7 @@ class Meta:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(stats: dict[str, Any], method: str, num_draft_tokens: int) -> dict[str, Any]:
+def usage(stats: dict[str, Any], method: str, num_draft_tokens: int | None) -> dict[str, Any]:
     """OpenAI usage plus `speculative`; `stats` is GenerationStats.to_dict()."""
     prompt, completion = stats["prompt_tokens"], stats["new_tokens"]
     return {
@@ -38,13 +38,16 @@ def usage(stats: dict[str, Any], method: str, num_draft_tokens: int) -> dict[str
         "total_tokens": prompt + completion,
         "speculative": {
             "method": method,
-            "num_draft_tokens": num_draft_tokens,
+            "num_draft_tokens": "auto" if num_draft_tokens is None else num_draft_tokens,
             "drafts": stats["drafts"],
             "drafted_tokens": stats["drafted_tokens"],
             "accepted_tokens": stats["accepted_tokens"],
             "acceptance_rate": stats["acceptance_rate"],
             "mean_accepted_length": stats["mean_accepted_length"],
             "acceptance_per_position": stats["acceptance_per_position"],
+            "nodes_per_step": stats["nodes_per_step"],
+            "accepted_path_length": stats["accepted_path_length"],
+            "tree_steps": stats["tree_steps"],
             "ttft_s": stats["ttft_s"],
             "tokens_per_s": stats["tokens_per_s"],
         },
@@ -54,7 +57,7 @@ def usage(stats: dict[str, Any], method: str, num_draft_tokens: int) -> dict[str
 def live_stats(stats: dict[str, Any]) -> dict[str, Any]:
     """The running figures the playground shows, sent with every stream chunk."""
     keys = ("new_tokens", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
-            "tokens_per_s")
+            "nodes_per_step", "tree_steps", "tokens_per_s")
     return {k: stats[k] for k in keys}
 
 

@@ -39,8 +39,13 @@ class Metrics:
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
                                            "Draft tokens accepted by the target.").labels(**labels)
         self._accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                         "Accepted draft tokens by position in the draft (0 = first).",
-                                         ("position",))
+                                         "Accepted draft tokens by depth in the draft (0 = first; a chain's "
+                                         "position).", ("position",))
+        self._drafted_per_pos = counter("spec_decode_num_drafts_per_pos",
+                                        "Drafts that reached this depth (per-depth acceptance = accepted / this).",
+                                        ("position",))
+        self.num_tree_steps = counter("spec_decode_num_tree_steps",
+                                      "Decode steps that verified a tree (several guesses at some depth).").labels(**labels)
         self.running = Gauge(P + "num_requests_running", "Requests generating now.", names,
                              registry=r).labels(**labels)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests queued for the engine.", names,
@@ -69,8 +74,10 @@ class Metrics:
         self.num_drafts.inc(stats.drafts)
         self.num_draft_tokens.inc(stats.drafted_tokens)
         self.num_accepted_tokens.inc(stats.accepted_tokens)
-        for pos, accepted in enumerate(stats.accepted_at):
+        self.num_tree_steps.inc(stats.tree_steps)
+        for pos, (drafted, accepted) in enumerate(zip(stats.drafted_at, stats.accepted_at)):
             self._accepted_per_pos.labels(**self._labels, position=str(pos)).inc(accepted)
+            self._drafted_per_pos.labels(**self._labels, position=str(pos)).inc(drafted)
         for seconds in stats.token_latencies_s:
             self.itl.observe(seconds)
 
