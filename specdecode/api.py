@@ -34,7 +34,9 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # With a fixed size the draft model stops a chain early once its own top probability falls below this.
 DRAFT_MIN_CONFIDENCE = 0.5
 DRAFT_SHAPES = ("chain", "tree")
-DEFAULT_DRAFT_SHAPE = "tree"
+# Measured side by side (BENCHMARKS.md): on a 2-core CPU the draft model's siblings rarely pay for the wider draft
+# forwards and verify rows they cost, while n-gram siblings are free to draft.
+DEFAULT_DRAFT_SHAPE = {"draft": "chain", "ngram": "tree"}
 NGRAM_TREE_BRANCHES = 4  # earlier matches merged into an n-gram tree
 
 
@@ -70,17 +72,19 @@ class SpecDecoder:
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = "draft",
              num_draft_tokens: int | None = None, dtype: str = "auto", device: str = "cpu",
              max_len: int = 8192, max_ngram: int = 3, quantize: str = "none",
-             draft_quantize: str = "auto", weights: str = "auto", draft_shape: str = DEFAULT_DRAFT_SHAPE,
+             draft_quantize: str = "auto", weights: str = "auto", draft_shape: str | None = None,
              draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None) -> SpecDecoder:
         """`weights` = 'auto' runs a GGUF file's quantized blocks as stored on CPU (the model llama.cpp runs),
         'float' de-quantizes it to `dtype`. `quantize` writes a float target in blocks (q8_0, q4_k; the output
         stays exact for that target); `draft_quantize` only changes how good and how cheap the guesses are.
         `num_draft_tokens` None chooses the draft size per step from what a verify forward costs on this machine
-        (measured once and cached); `draft_shape` 'tree' drafts several guesses per position, 'chain' one.
+        (measured once and cached); `draft_shape` 'tree' drafts several guesses per position, 'chain' one
+        (None: the method's default, DEFAULT_DRAFT_SHAPE).
         `draft_vocab` cuts the draft's LM head to that many frequent tokens (0: whole vocabulary), counted on
         `draft_vocab_corpus` (jsonl files) or on the instruction data shipped for the vocabulary."""
         if method not in DRAFTERS:
             raise SpecdecodeError(f"unknown method '{method}': choose one of {', '.join(DRAFTERS)}")
+        draft_shape = draft_shape or default_shape(method)
         if draft_shape not in DRAFT_SHAPES:
             raise SpecdecodeError(f"unknown draft shape '{draft_shape}': choose one of {', '.join(DRAFT_SHAPES)}")
         draft = (draft or DEFAULT_DRAFT) if method == "draft" else None
@@ -147,15 +151,19 @@ class SpecDecoder:
 
 
 def build_drafter(method: str, target: torch.nn.Module, draft_model: torch.nn.Module | None = None,
-                  max_ngram: int = 3, shape: str = DEFAULT_DRAFT_SHAPE):
+                  max_ngram: int = 3, shape: str | None = None):
     """The drafter for `method` over already-loaded models, with the library's defaults."""
-    tree = shape == "tree"
+    tree = (shape or default_shape(method)) == "tree"
     if method == "draft":
         return DRAFTERS[method](draft_model, vocab_size=target.config.vocab_size, min_confidence=DRAFT_MIN_CONFIDENCE,
                                 width=TREE_WIDTH if tree else 1)
     if method == "ngram":
         return DRAFTERS[method](max_ngram=max_ngram, branches=NGRAM_TREE_BRANCHES if tree else 1)
     return DRAFTERS[method]()
+
+
+def default_shape(method: str) -> str:
+    return DEFAULT_DRAFT_SHAPE.get(method, "chain")
 
 
 def check_same_tokenizer(target_tok, draft_tok, target: str, draft: str) -> None:

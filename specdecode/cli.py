@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from specdecode.api import DEFAULT_DRAFT, DEFAULT_DRAFT_SHAPE, DEFAULT_TARGET, DRAFT_SHAPES
+from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_SHAPES, default_shape
 from specdecode.config import SamplingParams
 from specdecode.drafters import DRAFTERS
 from specdecode.errors import SpecdecodeError
@@ -26,8 +26,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="draft tokens verified per step (default: chosen each step from what a verify forward "
                         "costs on this machine, measured once and cached)")
-    p.add_argument("--draft-shape", default=DEFAULT_DRAFT_SHAPE, choices=list(DRAFT_SHAPES),
-                   help="tree: several guesses per position, verified at once; chain: one guess per position")
+    p.add_argument("--draft-shape", default=None, choices=list(DRAFT_SHAPES),
+                   help="tree: several guesses per position, verified at once; chain: one guess per position "
+                        "(default: chain for draft, tree for ngram)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_weight_args(p)
@@ -90,8 +91,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(f"{ACCEPTED_COLOR}{piece}{RESET}" if color and drafted and piece else piece)
         sys.stdout.flush()
     s = decoder.stats
-    print(f"\n\n[{args.method}] {s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.2f} tok/s), "
-          f"acceptance {s.acceptance_rate:.1%}, mean accepted length {s.mean_accepted_length:.2f}, "
+    shape = f" {args.draft_shape or default_shape(args.method)}" if args.method != "none" else ""
+    print(f"\n\n[{args.method}{shape}] {s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.2f} tok/s), "
+          f"mean accepted length {s.mean_accepted_length:.2f}, draft tokens verified per step "
+          f"{s.nodes_per_step:.1f} ({s.draft_budget}), acceptance {s.acceptance_rate:.1%}, "
           f"TTFT {s.ttft_s * 1000:.0f} ms" + (" — green: accepted draft tokens" if color else ""),
           file=sys.stderr)
     return 0

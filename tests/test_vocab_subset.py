@@ -179,3 +179,19 @@ def test_stored_head_reads_the_output_rows_from_the_unpacked_folder(tmp_path, ti
     head = stored_head(gguf, tmp_path)
     assert head.format.name == "q5_0"
     assert all(np.array_equal(getattr(head, f).numpy(), getattr(packed, f).numpy()) for f in PACKED_FIELDS)
+
+
+def test_cut_draft_head_needs_a_matching_frequency_list():
+    from specdecode.vocab_subset import cut_draft_head, packaged_ranking
+
+    class Vocab:
+        all_special_ids = [0]
+
+        def get_vocab(self):
+            return {chr(65 + i): i for i in range(64)}
+
+    model = tiny_native("qwen2", seed=0)
+    assert packaged_ranking(Vocab()) is None
+    assert not cut_draft_head(model, Vocab(), "tiny", size=32)  # no list for this vocabulary: the head stays whole
+    assert not hasattr(model, "head_tokens")
+    assert not cut_draft_head(model, Vocab(), "tiny", size=0)

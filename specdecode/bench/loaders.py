@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from specdecode.api import (
-    DEFAULT_DRAFT_SHAPE, DRAFT_MIN_CONFIDENCE, DRAFT_SHAPES, SpecDecoder, build_drafter, check_same_tokenizer,
+    DRAFT_MIN_CONFIDENCE, DRAFT_SHAPES, SpecDecoder, build_drafter, check_same_tokenizer, default_shape,
 )  # fmt: skip
 from specdecode.budget import CostCurve
 from specdecode.bench.llamacpp import METHODS as LLAMACPP_METHODS
@@ -58,7 +58,7 @@ def drafter_and_shape(method: str) -> tuple[str, str]:
     name, _, shape = method.rpartition("-")
     if name in SHAPED and shape in DRAFT_SHAPES:
         return name, shape
-    return method, DEFAULT_DRAFT_SHAPE
+    return method, default_shape(method)
 
 
 def parse_methods(text: str) -> list[str]:

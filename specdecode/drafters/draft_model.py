@@ -117,7 +117,7 @@ class DraftModelDrafter:
     def _children(self, logits: torch.Tensor, rows: list[int], depth: int, nodes: list[Node],
                   dists: list[torch.Tensor], ctx: DraftContext) -> list[int]:
         """Add the `width` children of each row's node (rows of logits [R, vocab]); -> the new node indices."""
-        logits = self._fit_vocab(logits)
+        logits, ids = self._draft_space(logits)  # a subset head stays in its own space: 5x fewer logits
         if ctx.params.greedy:
             probs = logits.float().softmax(-1)
             top_probs, top_tokens = probs.topk(self.width, dim=-1)  # [R, width]
@@ -127,6 +127,8 @@ class DraftModelDrafter:
             noise = -torch.empty_like(probs).exponential_(generator=ctx.generator).log()
             top_tokens = (probs.log() + noise).topk(self.width, dim=-1).indices  # [R, width]
             top_probs = probs.gather(-1, top_tokens)
+        if ids is not None:
+            top_tokens = ids[top_tokens]
         new = []
         for r, parent in enumerate(rows):
             if not ctx.params.greedy:
@@ -165,7 +167,11 @@ class DraftModelDrafter:
                                device=device)
         probs = None
         if not ctx.params.greedy:
-            rows = torch.stack([dists[n.dist] for n in kept])  # [n, vocab]
+            rows = torch.stack([dists[n.dist] for n in kept])  # [n, vocab] or [n, subset]
+            if (head_tokens := getattr(self.model, "head_tokens", None)) is not None:
+                full = rows.new_zeros(len(kept), self.vocab_size)
+                full[:, head_tokens[head_tokens < self.vocab_size]] = rows
+                rows = full
             for row, node in zip(rows, kept):
                 if node.drawn_before:  # drawn without replacement: its siblings drawn earlier were not available
                     row[node.drawn_before] = 0.0
@@ -206,12 +212,17 @@ class DraftModelDrafter:
             self.forward_s = seconds if self.forward_s == 0 else 0.8 * self.forward_s + 0.2 * seconds
         return logits[0]
 
-    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits [R, size] -> over the target's vocabulary [R, vocab_size]."""
+    def _draft_space(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft logits [R, size] -> (logits over the tokens it may propose, their vocabulary ids or None when
+        that is the target's whole vocabulary). A head over frequent tokens only (vocab_subset.py) keeps its
+        subset, minus any id the target lacks; the rest are never drafted."""
         head_tokens = getattr(self.model, "head_tokens", None)
-        if head_tokens is not None:  # a head over frequent tokens only (vocab_subset.py): the rest are never drafted
-            full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-            return full.index_copy_(-1, head_tokens, logits)
+        if head_tokens is None:
+            return self._fit_vocab(logits), None
+        known = head_tokens < self.vocab_size
+        return (logits, head_tokens) if bool(known.all()) else (logits[..., known], head_tokens[known])
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         size = logits.shape[-1]
         if size == self.vocab_size:
             return logits

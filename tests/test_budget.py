@@ -1,0 +1,40 @@
+"""The draft size chooser: the cost curve (measured, cached, extrapolated) and the count that pays best."""
+
+import pytest
+
+from specdecode import budget
+from specdecode.budget import CostCurve
+from tiny import tiny_native
+
+
+def test_curve_extrapolates_and_reports_ratios():
+    curve = CostCurve((1.0, 1.5, 2.0))
+    assert curve.cost(1) == 1.0 and curve.cost(3) == 2.0 and curve.cost(5) == pytest.approx(3.0)
+    assert curve.ratios() == [1.0, 1.5, 2.0]
+    assert curve.to_dict()["ratio_to_one_token"] == [1.0, 1.5, 2.0]
+
+
+def test_best_count_trades_expected_tokens_against_cost():
+    flat = CostCurve(tuple([1.0] * 16))  # a GPU-like curve: every node is free, keep them all
+    assert flat.best_count([0.9, 0.5, 0.1, 0.01]) == 4
+    steep = CostCurve(tuple(1.0 + 0.5 * m for m in range(16)))  # each node costs half a forward
+    assert steep.best_count([0.9, 0.8, 0.3]) == 2  # (1 + 1.7) / 2.0 beats (1 + 2.0) / 2.5
+    assert steep.best_count([0.9, 0.8, 0.3], draft_seconds=10.0) == 3  # drafting dominates: verify them all
+    assert steep.best_count([]) == 0
+
+
+def test_measure_is_monotone_and_cached(tmp_path, monkeypatch):
+    model = tiny_native("qwen2", seed=0)
+    calls = []
+    real = budget.measure
+    monkeypatch.setattr(budget, "measure", lambda target: calls.append(1) or real(target, max_tokens=4, prefix=8,
+                                                                                     repeats=2))
+    first = budget.load_or_measure(model, "tiny", cache=tmp_path)
+    assert len(first.seconds) == 4 and list(first.seconds) == sorted(first.seconds) and first.seconds[0] > 0
+    again = budget.load_or_measure(model, "tiny", cache=tmp_path)
+    assert again == first and len(calls) == 1  # read back, not measured twice
+    budget.load_or_measure(model, "another model", cache=tmp_path)
+    assert len(calls) == 2  # another key: measured for itself
+    path = budget.curve_path("tiny", tmp_path)
+    path.write_text("{damaged")
+    assert len(budget.load_or_measure(model, "tiny", cache=tmp_path).seconds) == 4  # measured again, no crash
