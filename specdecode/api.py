@@ -19,7 +19,7 @@ import torch
 from specdecode.budget import CostCurve, load_or_measure
 from specdecode.config import SamplingParams
 from specdecode.drafters import DRAFTERS
-from specdecode.drafters.draft_model import TREE_WIDTH
+from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import load_model, load_tokenizer, plan_load
@@ -156,7 +156,7 @@ def build_drafter(method: str, target: torch.nn.Module, draft_model: torch.nn.Mo
     tree = (shape or default_shape(method)) == "tree"
     if method == "draft":
         return DRAFTERS[method](draft_model, vocab_size=target.config.vocab_size, min_confidence=DRAFT_MIN_CONFIDENCE,
-                                width=TREE_WIDTH if tree else 1)
+                                width=TREE_WIDTH if tree else 1, expand=TREE_EXPAND if tree else 1)
     if method == "ngram":
         return DRAFTERS[method](max_ngram=max_ngram, branches=NGRAM_TREE_BRANCHES if tree else 1)
     return DRAFTERS[method]()

@@ -4,8 +4,9 @@ Bookkeeping with absolute lengths: below `base_length` the draft cache holds a p
 `propose` first catches up on the tokens the cache lacks (the last emitted token; after a fully accepted draft also
 the last draft token, which was never fed), then grows the draft depth by depth, best nodes first (EAGLE-2's
 dynamic tree): the `width` best nodes of the newest depth, by cumulative draft probability, go through one batched
-draft forward under a tree mask, and each proposes its `width` most likely tokens as children. A chain is the
-tree of width 1. Fed nodes sit in draft cache slots after `base_length`; `commit(accepted)` moves the accepted
+draft forward under a tree mask, and each proposes its `width` most likely tokens as children. With `expand`
+below `width` only the best nodes are fed on, and the other children stay leaves: siblings that cost no draft
+compute at all, only the verify rows the budget chooser decides they are worth. A chain is the tree of width 1. Fed nodes sit in draft cache slots after `base_length`; `commit(accepted)` moves the accepted
 path's fed nodes into place and drops the rest.
 
 When to stop growing: with the machine's verify cost curve (automatic budget), as soon as one more draft forward
@@ -29,7 +30,11 @@ from specdecode.drafters.base import Draft, DraftContext
 from specdecode.masks import chain_mask
 from specdecode.sampling import to_probs
 
-TREE_WIDTH = 3  # nodes expanded per depth and children per node in a tree draft; 1 drafts a chain
+TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
+# Nodes of a depth fed to the next draft forward in a tree. On a 2-core CPU feeding three cost 16.8 ms against
+# 14.8 for one and lost speed; leaves as siblings cost no draft compute (BENCHMARKS.md).
+TREE_EXPAND = 1
+CALIBRATION_PRIOR, CALIBRATION_MEMORY = 2.0, 0.995  # start calibrated; forget old steps slowly
 
 
 @dataclass(slots=True)
@@ -40,16 +45,17 @@ class Node:
     prob: float  # its draft probability given its parent
     score: float  # product of draft probabilities along the path: the estimate that the target accepts it
     dist: int  # index of the distribution (of its parent's expansion) it was drawn from
-    drawn_before: list[int]  # sibling tokens drawn before it from that distribution
+    drawn_before: list[int]  # sibling tokens drawn before it from that distribution (its rank = their count)
     slot: int = -1  # draft cache slot once fed, -1 = never fed
 
 
 class DraftModelDrafter:
     def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 1024,
-                 min_confidence: float = 0.0, width: int = 1, max_depth: int = 8) -> None:
+                 min_confidence: float = 0.0, width: int = 1, max_depth: int = 8, expand: int | None = None) -> None:
         self.model = model
         self.min_confidence = min_confidence
-        self.width = width
+        self.width = width  # children per expanded node
+        self.expand = width if expand is None else expand  # nodes of a depth that go through the next forward
         self.max_depth = max_depth
         self.vocab_size = vocab_size  # the target's; a draft vocab that is padded differently is cut or padded
         self.initial_len = initial_len
@@ -58,6 +64,11 @@ class DraftModelDrafter:
         self.nodes: list[Node] = []  # the last draft's nodes, before the budget cut
         self.kept: list[int] = []  # which of them went into the Draft, in its order
         self.forward_s = 0.0  # running estimate of one draft forward's seconds
+        # Calibration by sibling rank: how often the target took a child of a node it accepted, against how often
+        # the draft's own probability said it would. A draft's second guess is rarely as good as its probability
+        # claims (the target is sharper than the draft), and the budget chooser must not pay for it as if it were.
+        self.predicted = [CALIBRATION_PRIOR] * width
+        self.taken = [CALIBRATION_PRIOR] * width
 
     @property
     def shape(self) -> str:
@@ -72,7 +83,7 @@ class DraftModelDrafter:
         if max_tokens <= 0:
             return Draft.empty()
         started = time.perf_counter()
-        self._ensure_capacity(len(ctx.tokens) + self.max_depth * self.width + 1)
+        self._ensure_capacity(len(ctx.tokens) + self.max_depth * self.expand + 1)
         pending = ctx.tokens[self.cache.length :]  # [>= 1] tokens not yet in the draft cache
         if self.cache.length == 0 and len(pending) > 1:
             # Each position computed as the target computes it: the prompt batched (its prefill), every later
@@ -91,17 +102,21 @@ class DraftModelDrafter:
             newest = self._children(logits, parents_of_row, depth, nodes, dists, ctx)
             if depth >= min(self.max_depth, max_tokens, ctx.max_depth) or not newest:
                 break
-            expand = sorted(newest, key=lambda i: -nodes[i].score)[: self.width]
+            expand = sorted(newest, key=lambda i: -nodes[i].score)[: self.expand]
             if not self._worth_growing(nodes, nodes[expand[0]], ctx, max_tokens, started):
                 break
             logits = self._feed_nodes(expand, nodes)
             parents_of_row = expand
+        if ctx.costs is not None:  # choose here, so that calibration learns from exactly the verified nodes
+            ranked = sorted((n.score for n in nodes), reverse=True)[:max_tokens]
+            max_tokens = ctx.costs.best_count(ranked, time.perf_counter() - started)
         return self._draft(nodes, dists, ctx, max_tokens)
 
     def commit(self, accepted: list[int]) -> None:
         # Accepted nodes that were fed stay, moved behind the agreed prefix; a node never fed (a leaf) ends them.
         if self.cache is None:  # nothing drafted yet (a request with a draft budget of 0)
             return
+        self._calibrate(accepted)
         slots = []
         for index in accepted:
             slot = self.nodes[self.kept[index]].slot
@@ -113,6 +128,17 @@ class DraftModelDrafter:
             self.cache.keep(torch.tensor(slots, device=self.cache.k.device))
         else:
             self.cache.truncate(self.base_length + len(slots))
+
+    def _calibrate(self, accepted: list[int]) -> None:
+        """Every verified child of the root or of an accepted node was a trial of its rank."""
+        taken_nodes = {self.kept[i] for i in accepted}
+        judged = taken_nodes | {-1}
+        for node_index in self.kept:
+            node = self.nodes[node_index]
+            if node.parent in judged:
+                rank = len(node.drawn_before)
+                self.predicted[rank] = self.predicted[rank] * CALIBRATION_MEMORY + node.prob
+                self.taken[rank] = self.taken[rank] * CALIBRATION_MEMORY + (node_index in taken_nodes)
 
     def _children(self, logits: torch.Tensor, rows: list[int], depth: int, nodes: list[Node],
                   dists: list[torch.Tensor], ctx: DraftContext) -> list[int]:
@@ -138,7 +164,9 @@ class DraftModelDrafter:
             for token, p in zip(top_tokens[r].tolist(), top_probs[r].tolist()):
                 if p <= 0.0:
                     break  # nothing left to draw (top-k/top-p cut the distribution short)
-                nodes.append(Node(token, parent, depth, p, base * p, len(dists) - 1, list(drawn)))
+                rank = len(drawn)
+                taken = min(1.0, p * self.taken[rank] / self.predicted[rank])
+                nodes.append(Node(token, parent, depth, p, base * taken, len(dists) - 1, list(drawn)))
                 new.append(len(nodes) - 1)
                 drawn.append(token)
         return new
@@ -159,6 +187,8 @@ class DraftModelDrafter:
     def _draft(self, nodes: list[Node], dists: list[torch.Tensor], ctx: DraftContext, max_tokens: int) -> Draft:
         order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, i))[:max_tokens]
         self.nodes, self.kept = nodes, sorted(order)  # parents come before children, as in `nodes`
+        if not self.kept:
+            return Draft.empty(self.model.device)
         index = {node: i for i, node in enumerate(self.kept)}
         kept = [nodes[i] for i in self.kept]
         device = self.model.device
