@@ -32,6 +32,7 @@ from specdecode.bench.runners import HFRunner, Runner, SpecRunner
 from specdecode.drafters import DRAFTERS
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, load_model, load_tokenizer
+from specdecode.model import Transformer
 from specdecode.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
 from specdecode.weights import load_checkpoint, resolve_source
 
@@ -140,6 +141,8 @@ def build_runners(methods: list[str], models: BenchModels, override_k: int | Non
             runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, min(max_len, 4096), k, max_ngram)
         else:
             name, shape = drafter_and_shape(method)
+            if not isinstance(models.target, Transformer):
+                shape = "chain"  # as SpecDecoder.load: transformers' models verify chains only
             drafter = build_drafter(name, models.target, models.draft, max_ngram, shape)
             decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len, costs)
             runners[method] = SpecRunner(decoder, models.target.device)
