@@ -1,7 +1,8 @@
 """How many draft tokens to verify: chosen from what a target forward costs on this machine.
 
 A verify forward over m tokens costs C(m), measured once per model, weights, dtype and machine and cached (a few
-seconds). A drafter scores each node with its estimate that the node is accepted (for a draft model the product
+seconds), then lowered to the fastest times the engine sees in use (a measurement that caught a slow spell of a
+shared machine would otherwise skew every choice). A drafter scores each node with its estimate that the node is accepted (for a draft model the product
 of its own probabilities along the path). Keeping the best n nodes is expected to emit 1 + (sum of their scores)
 tokens (the expected accepted length of a tree is the sum over its nodes of P(node accepted), plus the target's own
 token) in D + C(n + 1) seconds, D being what drafting took. The chooser keeps the n that maximises that ratio.
@@ -33,6 +34,14 @@ class CostCurve:
             return self.seconds[max(m, 1) - 1]
         slope = self.seconds[-1] - self.seconds[-2] if len(self.seconds) > 1 else self.seconds[-1]
         return self.seconds[-1] + slope * (m - len(self.seconds))
+
+    def observe(self, m: int, seconds: float) -> CostCurve:
+        """The curve after a verify forward over m tokens took `seconds` in use: a shared machine has slow spells,
+        and one caught by the measurement would skew the choice for good, so each size keeps the fastest time
+        seen; a smaller size is never left dearer than a larger one."""
+        if m > len(self.seconds) or seconds >= self.seconds[m - 1]:
+            return self
+        return CostCurve(tuple(min(s, seconds) if j <= m else s for j, s in enumerate(self.seconds, start=1)))
 
     def ratios(self) -> list[float]:
         """Cost relative to a one-token forward, for reports."""

@@ -138,7 +138,10 @@ class Engine:
             mask = tree_mask(start, parents)
         # decode=True: every row as a one-token forward of its path computes it, so `none` and every drafter
         # agree bit for bit.
+        began = time.perf_counter()
         logits, hidden = self.target(ids, positions, self.cache, mask, decode=True)
+        if self.costs is not None and device.type == "cpu":  # CUDA runs ahead of the clock; its curve stays as measured
+            self.costs = self.costs.observe(n + 1, time.perf_counter() - began)
         if chain:
             verdict = verify_chain(logits[0], draft.tokens.to(device), draft.probs, params, generator)
         else:

@@ -14,6 +14,15 @@ def test_curve_extrapolates_and_reports_ratios():
     assert curve.to_dict()["ratio_to_one_token"] == [1.0, 1.5, 2.0]
 
 
+def test_observed_times_only_lower_the_curve_and_keep_it_monotone():
+    curve = CostCurve((3.0, 3.1, 3.5, 4.0))  # measured in a slow spell
+    assert curve.observe(2, 5.0) is curve  # slower than measured: a busy moment, not the machine
+    faster = curve.observe(3, 2.5)
+    assert faster.seconds == (2.5, 2.5, 2.5, 4.0)  # one token cannot cost more than three
+    assert faster.observe(1, 2.0).seconds == (2.0, 2.5, 2.5, 4.0)
+    assert curve.observe(30, 0.1) is curve  # beyond the measured sizes: extrapolated, not observed
+
+
 def test_best_count_trades_expected_tokens_against_cost():
     flat = CostCurve(tuple([1.0] * 16))  # a GPU-like curve: every node is free, keep them all
     assert flat.best_count([0.9, 0.5, 0.1, 0.01]) == 4
