@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,14 +115,17 @@ def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None 
     path = curve_path(model_key, cache)
     if path.exists():
         try:
-            return CostCurve(tuple(json.loads(path.read_text())["seconds"]))
-        except (ValueError, KeyError):
+            seconds = tuple(float(x) for x in json.loads(path.read_text())["seconds"])
+            if seconds:
+                return CostCurve(seconds)
+        except (ValueError, KeyError, TypeError):
             pass  # a damaged file is measured again
     print("specdecode: measuring what a verify forward costs on this machine (once, a few seconds)...",
           file=sys.stderr)
     curve = measure(target)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    # Written whole under a name no other process or thread uses, then renamed: readers never see half a file.
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps({"model": model_key, "machine": machine_key()[:200], **curve.to_dict()}))
     tmp.replace(path)
     return curve

@@ -96,14 +96,16 @@ class Engine:
             budget = min(MAX_AUTO_NODES if auto else num_draft_tokens, self.max_len - len(tokens) - 1)
             depth_room = params.max_new_tokens - stats.new_tokens - 1
             ctx = DraftContext(tokens, params, generator, hidden, self.costs if auto else None, depth_room)
-            draft = drafter.propose(ctx, budget) if budget > 0 and depth_room > 0 else Draft.empty()
+            proposed = budget > 0 and depth_room > 0
+            draft = drafter.propose(ctx, budget) if proposed else Draft.empty()
             draft.check()
             draft = draft.within_depth(depth_room)
             if auto and draft.scores and len(draft):
                 ranked = sorted(draft.scores, reverse=True)
                 draft = draft.best(self.costs.best_count(ranked, time.perf_counter() - t0))
             emitted, accepted, hidden = self._verify(tokens[-1], draft, params, generator)
-            drafter.commit(draft.as_proposed(accepted))
+            if proposed:  # a drafter that was not asked has nothing to roll back or learn from
+                drafter.commit(draft.as_proposed(accepted), draft.origin)
             step = self._finish(emitted, len(draft), len(accepted), tokens, params, eos)
             now = time.perf_counter()
             stats.record_step(len(draft), len(accepted), len(step.tokens), now - t0,

@@ -157,7 +157,7 @@ def exact_sequence_probs(chain: torch.Tensor, start: int, length: int, eos: int)
     return out
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree", "ngram-tree", "subset-head-tree"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "ngram-tree", "subset-head-tree", "chain-auto", "tree-auto"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_new_tokens=3),
                                     SamplingParams(temperature=0.6, top_k=3, max_new_tokens=3)])
 def test_whole_loop_output_distribution_is_the_targets(params, shape):
@@ -177,8 +177,12 @@ def test_whole_loop_output_distribution_is_the_targets(params, shape):
         draft.head_tokens = torch.tensor([0, 2])
         drafter = DraftModelDrafter(draft, vocab_size=vocab, width=2)
     else:
-        drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=1 if shape == "chain" else 2)
-    engine = Engine(target, drafter, num_draft_tokens=4)
+        drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=1 if "chain" in shape else 2)
+    # "-auto": the size is chosen per step from a steep cost curve, so drafts get cut: what is cut must never
+    # depend on the token drawn for the node itself, or the output distribution drifts.
+    auto = shape.endswith("-auto")
+    engine = Engine(target, drafter, num_draft_tokens=None if auto else 4,
+                    costs=CostCurve((1.0, 1.5, 2.0)) if auto else None)
     counts: dict[tuple, int] = {}
     for i in range(trials):
         out = tuple(run(engine, [0], SamplingParams(**{**params.__dict__, "seed": i})))
@@ -186,3 +190,21 @@ def test_whole_loop_output_distribution_is_the_targets(params, shape):
     assert set(counts) <= set(exact)
     l1 = sum(abs(counts.get(seq, 0) / trials - p) for seq, p in exact.items())
     assert l1 < l1_bound(len(exact), trials), l1
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_sampled_drafts_cut_per_step_keep_the_targets_marginal(width):
+    """Under sampling the budget chooser may keep or drop a drafted node only on what was known before the node
+    was drawn. Here the target is a fair coin and the draft says 0.8 / 0.2; with this cost curve a node is worth
+    verifying when its score exceeds 0.5, so a cut on the node's own draft probability would verify token 0 only
+    and the second token would come out 0 with probability 0.6 instead of 0.5."""
+    trials = 8000
+    target = BigramModel(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    drafter = DraftModelDrafter(BigramModel(torch.tensor([[0.8, 0.2], [0.8, 0.2]])), vocab_size=2, width=width)
+    engine = Engine(target, drafter, num_draft_tokens=None, costs=CostCurve((1.0, 1.5, 2.0)))
+    zeros = drafted = 0
+    for seed in range(trials):
+        zeros += run(engine, [0], SamplingParams(temperature=1.0, max_new_tokens=3, seed=seed))[1] == 0
+        drafted += engine.stats.drafted_tokens
+    assert drafted >= trials  # the chooser did verify drafts
+    assert abs(zeros / trials - 0.5) < l1_bound(2, trials) / 2

@@ -48,7 +48,7 @@ class ScriptedDrafter:
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         return Draft.chain(torch.tensor(self.oracle(ctx.tokens, max_tokens), dtype=torch.long))
 
-    def commit(self, accepted: list[int]) -> None:
+    def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         self.commits.append(len(accepted))
 
 
@@ -85,5 +85,5 @@ class ScriptedTreeDrafter:
             parent = len(tokens) - 1
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
-    def commit(self, accepted: list[int]) -> None:
+    def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         self.paths.append(list(accepted))

@@ -3,7 +3,7 @@
 A drafter reads a `DraftContext` (the request's tokens so far, the target's hidden states, a generator, what a
 target forward costs here) and returns a `Draft`. After verification the engine calls `commit(accepted)` with the
 accepted node indices, root to leaf, so the drafter can roll its own state (a draft model's KV cache) back to the
-accepted path; adaptive drafters learn there too. Drafters never touch the target's cache, never sample the output
+accepted path; adaptive drafters learn there too, from the nodes the target verified. Drafters never touch the target's cache, never sample the output
 and never see the tokenizer.
 
 A chain is a tree whose parents are [-1, 0, 1, ...]; tree drafters fill `parents` with every parent before its
@@ -108,5 +108,6 @@ class Drafter(Protocol):
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """Guess up to `max_tokens` tokens that follow `ctx.tokens`."""
 
-    def commit(self, accepted: list[int]) -> None:
-        """The target kept these nodes of the last draft (root to leaf); roll own state to match."""
+    def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
+        """The target kept these nodes of the last draft (root to leaf); roll own state to match. `verified`:
+        the nodes of that draft the target saw (the engine may have cut it to fewer), None = all."""

@@ -11,7 +11,9 @@ path's fed nodes into place and drops the rest.
 
 When to stop growing: with the machine's verify cost curve (automatic budget), as soon as one more draft forward
 cannot pay for itself even if its best child were accepted for sure; with a fixed budget, at that depth or once
-the best new node's cumulative probability falls below `min_confidence`.
+the draft's confidence in its best new node falls below `min_confidence`. Under sampling a node's confidence is
+read from the distribution it was drawn from, never from the token drawn (see `_children`): which nodes reach the
+verifier must not depend on their own draws, or the output distribution would drift.
 
 Under sampling, children are drawn without replacement from the draft distribution q after the request's
 temperature/top-k/top-p (Gumbel top-k: the order of the draw is the order of the perturbed scores), and each
@@ -34,7 +36,6 @@ TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
 # Nodes of a depth fed to the next draft forward in a tree. On a 2-core CPU feeding three cost 16.8 ms against
 # 14.8 for one and lost speed; leaves as siblings cost no draft compute (BENCHMARKS.md).
 TREE_EXPAND = 1
-CALIBRATION_PRIOR, CALIBRATION_MEMORY = 2.0, 0.995  # start calibrated; forget old steps slowly
 
 
 @dataclass(slots=True)
@@ -42,7 +43,8 @@ class Node:
     token: int
     parent: int  # node index, -1 = root
     depth: int
-    prob: float  # its draft probability given its parent
+    prob: float  # the draft's confidence in it given its parent: its probability (greedy), the largest probability
+    # left in the distribution it was drawn from (sampling)
     score: float  # product of draft probabilities along the path: the estimate that the target accepts it
     dist: int  # index of the distribution (of its parent's expansion) it was drawn from
     drawn_before: list[int]  # sibling tokens drawn before it from that distribution (its rank = their count)
@@ -64,11 +66,6 @@ class DraftModelDrafter:
         self.nodes: list[Node] = []  # the last draft's nodes, before the budget cut
         self.kept: list[int] = []  # which of them went into the Draft, in its order
         self.forward_s = 0.0  # running estimate of one draft forward's seconds
-        # Calibration by sibling rank: how often the target took a child of a node it accepted, against how often
-        # the draft's own probability said it would. A draft's second guess is rarely as good as its probability
-        # claims (the target is sharper than the draft), and the budget chooser must not pay for it as if it were.
-        self.predicted = [CALIBRATION_PRIOR] * width
-        self.taken = [CALIBRATION_PRIOR] * width
 
     @property
     def shape(self) -> str:
@@ -77,6 +74,7 @@ class DraftModelDrafter:
     def reset(self) -> None:
         if self.cache is not None:
             self.cache.reset()
+        self.nodes, self.kept, self.base_length = [], [], 0
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -107,16 +105,15 @@ class DraftModelDrafter:
                 break
             logits = self._feed_nodes(expand, nodes)
             parents_of_row = expand
-        if ctx.costs is not None:  # choose here, so that calibration learns from exactly the verified nodes
+        if ctx.costs is not None:  # the budget chooser's rule, with the time drafting took
             ranked = sorted((n.score for n in nodes), reverse=True)[:max_tokens]
             max_tokens = ctx.costs.best_count(ranked, time.perf_counter() - started)
         return self._draft(nodes, dists, ctx, max_tokens)
 
-    def commit(self, accepted: list[int]) -> None:
+    def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Accepted nodes that were fed stay, moved behind the agreed prefix; a node never fed (a leaf) ends them.
         if self.cache is None:  # nothing drafted yet (a request with a draft budget of 0)
             return
-        self._calibrate(accepted)
         slots = []
         for index in accepted:
             slot = self.nodes[self.kept[index]].slot
@@ -129,46 +126,47 @@ class DraftModelDrafter:
         else:
             self.cache.truncate(self.base_length + len(slots))
 
-    def _calibrate(self, accepted: list[int]) -> None:
-        """Every verified child of the root or of an accepted node was a trial of its rank."""
-        taken_nodes = {self.kept[i] for i in accepted}
-        judged = taken_nodes | {-1}
-        for node_index in self.kept:
-            node = self.nodes[node_index]
-            if node.parent in judged:
-                rank = len(node.drawn_before)
-                self.predicted[rank] = self.predicted[rank] * CALIBRATION_MEMORY + node.prob
-                self.taken[rank] = self.taken[rank] * CALIBRATION_MEMORY + (node_index in taken_nodes)
-
     def _children(self, logits: torch.Tensor, rows: list[int], depth: int, nodes: list[Node],
                   dists: list[torch.Tensor], ctx: DraftContext) -> list[int]:
         """Add the `width` children of each row's node (rows of logits [R, vocab]); -> the new node indices."""
         logits, ids = self._draft_space(logits)  # a subset head stays in its own space: 5x fewer logits
-        if ctx.params.greedy:
+        greedy = ctx.params.greedy
+        if greedy:
             probs = logits.float().softmax(-1)
-            top_probs, top_tokens = probs.topk(self.width, dim=-1)  # [R, width]
+            top_probs, top_index = probs.topk(self.width, dim=-1)  # [R, width]
         else:
             probs = to_probs(logits, ctx.params)  # [R, vocab]
             # Gumbel top-k: the largest log q + Gumbel noise are a draw without replacement, in draw order.
             noise = -torch.empty_like(probs).exponential_(generator=ctx.generator).log()
-            top_tokens = (probs.log() + noise).topk(self.width, dim=-1).indices  # [R, width]
-            top_probs = probs.gather(-1, top_tokens)
-        if ids is not None:
-            top_tokens = ids[top_tokens]
+            top_index = (probs.log() + noise).topk(self.width, dim=-1).indices  # [R, width]
+            top_probs = probs.gather(-1, top_index)
+            likeliest = probs.topk(self.width, dim=-1)  # for each draw's confidence, see below
+        top_tokens = top_index if ids is None else ids[top_index]
         new = []
         for r, parent in enumerate(rows):
-            if not ctx.params.greedy:
+            if not greedy:
                 dists.append(probs[r])
             base = 1.0 if parent < 0 else nodes[parent].score
             drawn: list[int] = []
-            for token, p in zip(top_tokens[r].tolist(), top_probs[r].tolist()):
+            drawn_mass, drawn_index = 0.0, set()
+            for token, index, p in zip(top_tokens[r].tolist(), top_index[r].tolist(), top_probs[r].tolist()):
                 if p <= 0.0:
                     break  # nothing left to draw (top-k/top-p cut the distribution short)
-                rank = len(drawn)
-                taken = min(1.0, p * self.taken[rank] / self.predicted[rank])
-                nodes.append(Node(token, parent, depth, p, base * taken, len(dists) - 1, list(drawn)))
+                if greedy:
+                    confidence = p
+                else:
+                    # Under sampling a node's confidence must not depend on the token drawn for it: keeping a node
+                    # because of its own q(x) would bias which tokens reach the verifier, and the output with it.
+                    # What it may use is the distribution it is drawn from: the largest probability left in q
+                    # after the siblings drawn before it.
+                    left = next(v for v, i in zip(likeliest.values[r].tolist(), likeliest.indices[r].tolist())
+                                if i not in drawn_index)
+                    confidence = left / max(1.0 - drawn_mass, 1e-12)
+                nodes.append(Node(token, parent, depth, confidence, base * confidence, len(dists) - 1, list(drawn)))
                 new.append(len(nodes) - 1)
                 drawn.append(token)
+                drawn_mass += p
+                drawn_index.add(index)
         return new
 
     def _worth_growing(self, nodes: list[Node], best: Node, ctx: DraftContext, max_tokens: int,

@@ -50,9 +50,10 @@ class NgramDrafter:
             scores.append((1.0 if parent < 0 else scores[parent]) * rate * fraction)
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None, scores)
 
-    def commit(self, accepted: list[int]) -> None:
-        # One trial per accepted node that had children (and the root): was one of its children accepted?
-        has_children = {p for p in self.parents}
+    def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
+        # One trial per accepted node that had verified children (and the root): was one of them accepted?
+        seen = range(len(self.parents)) if verified is None else verified
+        has_children = {self.parents[i] for i in seen}
         on_path = [-1] + accepted
         for i, node in enumerate(on_path):
             if node in has_children:

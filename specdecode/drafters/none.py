@@ -12,5 +12,5 @@ class NoDrafter:
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         return Draft.empty()
 
-    def commit(self, accepted: list[int]) -> None:
+    def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         pass
