@@ -92,8 +92,10 @@ class SpecDecoder:
         model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
         draft_model = None
         if draft is not None:
-            check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
-            draft_model, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
+            # The draft's own tokenizer comes with it: loading it separately first cost a second at every start.
+            draft_model, draft_tokenizer = load_model(draft, plan.dtype, device, plan.draft_quantize,
+                                                      plan.draft_weights)
+            check_same_tokenizer(tokenizer, draft_tokenizer or load_tokenizer(draft), target, draft)
             cut_draft_head(draft_model, tokenizer, draft, draft_vocab, draft_vocab_corpus)
         if draft_shape == "tree" and not isinstance(model, Transformer):
             draft_shape = "chain"  # trees need the native model's tree attention; transformers' verify chains

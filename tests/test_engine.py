@@ -208,3 +208,17 @@ def test_sampled_drafts_cut_per_step_keep_the_targets_marginal(width):
         drafted += engine.stats.drafted_tokens
     assert drafted >= trials  # the chooser did verify drafts
     assert abs(zeros / trials - 0.5) < l1_bound(2, trials) / 2
+
+
+def test_ngram_matches_merge_into_a_trie():
+    import numpy as np
+
+    from specdecode.drafters.ngram import lookup_all, trie
+
+    tokens = np.array([5, 1, 2, 3, 9, 5, 1, 2, 4, 9, 5, 1], dtype=np.int64)  # "5 1" was followed by "2 3" and "2 4"
+    found = lookup_all(tokens, 3, max_ngram=2, min_ngram=1, count=4)
+    assert [f.tolist() for f in found[:2]] == [[2, 4, 9], [2, 3, 9]]  # longest n-gram, most recent first
+    nodes, parents, share = trie(found[:2], max_tokens=8)
+    assert nodes == [2, 4, 9, 3, 9] and parents == [-1, 0, 1, 0, 3]  # the shared "2" once, then two branches
+    assert share == [1.0, 0.5, 1.0, 0.5, 1.0]
+    assert trie(found[:2], max_tokens=2)[0] == [2, 4]  # the budget cuts, parents first
