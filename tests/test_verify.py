@@ -2,6 +2,7 @@
 
 import itertools
 
+import pytest
 import torch
 
 from specdecode.config import SamplingParams
@@ -112,32 +113,33 @@ def test_tree_rounds_with_point_mass_siblings_reproduce_target_exactly():
                 assert torch.allclose(got, target, atol=1e-12, rtol=0)
 
 
-def test_tree_rounds_with_iid_siblings_reproduce_target_exactly():
+def iid_draws(draft: torch.Tensor, m: int):
+    """Every way to draw m siblings i.i.d. from `draft` -> (candidates, probability, each one's proposal row)."""
+    for candidates in itertools.product(range(draft.numel()), repeat=m):  # duplicates allowed
+        yield list(candidates), float(torch.prod(draft[list(candidates)])), [draft] * m
+
+
+def draws_without_replacement(draft: torch.Tensor, m: int):
+    """Every ordered draw of m distinct siblings, each from what is left of `draft`, renormalised."""
+    for candidates in itertools.permutations(range(draft.numel()), m):
+        weight, proposals, left = 1.0, [], draft.clone()
+        for token in candidates:
+            left = left / left.sum()
+            proposals.append(left.clone())
+            weight *= float(left[token])
+            left[token] = 0.0
+        yield list(candidates), weight, proposals
+
+
+@pytest.mark.parametrize("draws", [iid_draws, draws_without_replacement])
+def test_tree_rounds_with_drawn_siblings_reproduce_target_exactly(draws):
     gen = torch.Generator().manual_seed(3)
     for vocab in (3, 5):
         target, draft = random_probs(vocab, gen), random_probs(vocab, gen)
         for m in (2, 3):
             total = torch.zeros_like(target)
-            for candidates in itertools.product(range(vocab), repeat=m):  # duplicates allowed
-                weight = float(torch.prod(draft[list(candidates)]))
-                total += weight * emitted_by_rounds(target, list(candidates), [draft] * m)
-            assert torch.allclose(total, target, atol=1e-12, rtol=0)
-
-
-def test_tree_rounds_with_siblings_drawn_without_replacement_reproduce_target_exactly():
-    gen = torch.Generator().manual_seed(4)
-    for vocab in (3, 5):
-        target, draft = random_probs(vocab, gen), random_probs(vocab, gen)
-        for m in (2, 3):
-            total = torch.zeros_like(target)
-            for candidates in itertools.permutations(range(vocab), m):
-                weight, proposals, left = 1.0, [], draft.clone()
-                for token in candidates:  # each draw from what is left, renormalised
-                    left = left / left.sum()
-                    proposals.append(left.clone())
-                    weight *= float(left[token])
-                    left[token] = 0.0
-                total += weight * emitted_by_rounds(target, list(candidates), proposals)
+            for candidates, weight, proposals in draws(draft, m):
+                total += weight * emitted_by_rounds(target, candidates, proposals)
             assert torch.allclose(total, target, atol=1e-12, rtol=0)
 
 
