@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, build_drafter
+from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, build_drafter, verify_costs
 from specdecode.bench.loaders import drafter_and_shape
-from specdecode.budget import load_or_measure
 from specdecode.drafters import NoDrafter
 from specdecode.loading import load_model, plan_load
 
@@ -64,7 +63,7 @@ def main() -> None:
     plan = plan_load(args.target, args.draft, args.dtype, "cpu", weights=args.weights)
     target, tok = load_model(args.target, plan.dtype, "cpu", plan.quantize, plan.weights)
     draft, _ = load_model(args.draft, plan.dtype, "cpu", plan.draft_quantize, plan.draft_weights)
-    costs = load_or_measure(target, f"{args.target} | {plan.describe()} | cpu")
+    costs = verify_costs(target, args.target, plan, "cpu")
     methods = {}
     for method in args.methods.split(","):
         name, shape = drafter_and_shape(method)

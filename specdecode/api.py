@@ -22,7 +22,7 @@ from specdecode.drafters import DRAFTERS
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import load_model, load_tokenizer, plan_load
+from specdecode.loading import LoadPlan, load_model, load_tokenizer, plan_load
 from specdecode.model import Transformer
 from specdecode.stats import GenerationStats
 from specdecode.text import TextStream
@@ -103,7 +103,7 @@ class SpecDecoder:
         if num_draft_tokens is not None and num_draft_tokens < 0:
             raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         k = 0 if method == "none" else num_draft_tokens
-        costs = load_or_measure(model, f"{target} | {plan.describe()} | {device}") if k is None else None
+        costs = verify_costs(model, target, plan, device) if k is None else None
         return cls(model, tokenizer, drafter, method, k, max_len, costs)
 
     @property
@@ -162,6 +162,11 @@ def build_drafter(method: str, target: torch.nn.Module, draft_model: torch.nn.Mo
     if method == "ngram":
         return DRAFTERS[method](max_ngram=max_ngram, branches=NGRAM_TREE_BRANCHES if tree else 1)
     return DRAFTERS[method]()
+
+
+def verify_costs(model: torch.nn.Module, target: str, plan: LoadPlan, device: str) -> CostCurve:
+    """The cost curve of `target` as `plan` loads it on `device`: cached, measured on first use."""
+    return load_or_measure(model, f"{target} | {plan.describe()} | {device}")
 
 
 def default_shape(method: str) -> str:

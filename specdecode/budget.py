@@ -64,13 +64,12 @@ class CostCurve:
 
 def machine_key() -> str:
     """What makes a timing comparable: CPU model and flags (or GPU name), threads, torch version."""
-    cpu = ""
-    if Path("/proc/cpuinfo").exists():
-        info = Path("/proc/cpuinfo").read_text()
-        cpu = " ".join(line.split(":", 1)[1].strip() for line in info.splitlines()
-                       if line.startswith(("model name", "flags")))[:4000]  # fmt: skip
+    from specdecode.bench.machine import cpu_model
+    from specdecode.kernels import cpu_flags
+
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    return f"{platform.machine()} {cpu} {gpu} threads={torch.get_num_threads()} torch={torch.__version__}"
+    return (f"{platform.machine()} {cpu_model()} {' '.join(cpu_flags())} {gpu} threads={torch.get_num_threads()} "
+            f"torch={torch.__version__}")
 
 
 def curve_path(model_key: str, cache: Path | None = None) -> Path:

@@ -22,7 +22,7 @@ from specdecode.config import SamplingParams
 from specdecode.budget import CostCurve
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.errors import SpecdecodeError
-from specdecode.masks import chain_mask, depths, tree_mask
+from specdecode.masks import chain_mask, tree_mask
 from specdecode.sampling import make_generator, sample, to_probs
 from specdecode.stats import GenerationStats
 from specdecode.verify import verify_chain, verify_tree
@@ -103,13 +103,14 @@ class Engine:
             if auto and draft.scores and len(draft):
                 ranked = sorted(draft.scores, reverse=True)
                 draft = draft.best(self.costs.best_count(ranked, time.perf_counter() - t0))
-            emitted, accepted, hidden = self._verify(tokens[-1], draft, params, generator)
+            node_depths = draft.depths()  # [n], once: the forward's positions and the statistics use it
+            emitted, accepted, hidden = self._verify(tokens[-1], draft, node_depths, params, generator)
             if proposed:  # a drafter that was not asked has nothing to roll back or learn from
                 drafter.commit(draft.as_proposed(accepted), draft.origin)
             step = self._finish(emitted, len(draft), len(accepted), tokens, params, eos)
             now = time.perf_counter()
             stats.record_step(len(draft), len(accepted), len(step.tokens), now - t0,
-                              depth=int(depths(draft.parents).max()) if len(draft) else 0)
+                              depth=int(node_depths.max()) if len(draft) else 0)
             stats.wall_s = now - start
             yield step
 
@@ -124,20 +125,17 @@ class Engine:
         token = int(probs.argmax()) if params.greedy else int(sample(probs, generator))
         return token, hidden[0, -1:]
 
-    def _verify(self, root: int, draft: Draft, params: SamplingParams,
+    def _verify(self, root: int, draft: Draft, node_depths: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[list[int], list[int], torch.Tensor]:
         """One target forward over [root, *draft]; -> (emitted tokens, accepted nodes, their hidden states)."""
         device = self.target.device
         start, n = self.cache.length, len(draft)
         ids = torch.cat((torch.tensor([root], device=device), draft.tokens.to(device)))[None]  # [1, n + 1]
+        # A node's rotary position is its depth (a chain's: its index); it sees the prefix, the root and its
+        # own ancestors.
+        positions = (start + torch.cat((torch.zeros(1, dtype=torch.long, device=device), node_depths.to(device))))[None]
         chain = draft.is_chain
-        if chain:
-            positions = torch.arange(start, start + n + 1, device=device)[None]
-            mask = chain_mask(start, n + 1, device)
-        else:  # a node's rotary position is its depth; it sees the prefix, the root and its own ancestors
-            parents = draft.parents.to(device)
-            positions = (start + torch.cat((torch.zeros(1, dtype=torch.long, device=device), depths(parents))))[None]
-            mask = tree_mask(start, parents)
+        mask = chain_mask(start, n + 1, device) if chain else tree_mask(start, draft.parents.to(device))
         # decode=True: every row as a one-token forward of its path computes it, so `none` and every drafter
         # agree bit for bit.
         began = time.perf_counter()

@@ -19,6 +19,7 @@ logit of vocabulary id `head_tokens[j]`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -38,15 +39,13 @@ from specdecode.errors import SpecdecodeError
 from specdecode.gguf_stored import PACKED_FIELDS, stored_dir
 from specdecode.kernels import cpu_kernels
 from specdecode.quantize import KernelLinear, QuantLinear
-from specdecode.weights import conversion_prefix
+from specdecode.weights import conversion_prefix, resolve_source
 
 CHANNEL_MULTIPLE = 16  # rows per vector of quantize.QuantLinear's 16-channel kernel
 
 
 def vocab_fingerprint(tokenizer: Any) -> str:
     """A short hash of a tokenizer's vocabulary (token -> id): packaged frequency lists apply only to it."""
-    import hashlib
-
     items = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     return hashlib.sha256("\n".join(f"{i} {t}" for t, i in items).encode()).hexdigest()[:16]
 
@@ -249,8 +248,8 @@ def cut_draft_head(model: nn.Module, tokenizer: Any, source: str, size: int = DE
         return False
     if corpus:
         stamp = ",".join(f"{Path(p).name}:{Path(p).stat().st_size}:{int(Path(p).stat().st_mtime)}" for p in corpus)
-        key = __import__("hashlib").sha256(stamp.encode()).hexdigest()[:12]
-        path = subset_path(hub_source_path(source), vocab, f"counts-{key}")
+        key = hashlib.sha256(stamp.encode()).hexdigest()[:12]
+        path = subset_path(Path(resolve_source(source)), vocab, f"counts-{key}")
         counts = load_or_build(path, lambda: count_tokens(tokenizer, texts_from_jsonl(corpus), vocab))
         ranking = torch.sort(counts, descending=True, stable=True).indices
     else:
@@ -266,12 +265,7 @@ def cut_draft_head(model: nn.Module, tokenizer: Any, source: str, size: int = DE
     head = model.lm_head
     stored = None
     if isinstance(head, QuantLinear) and head.packed is None:
-        stored = stored_head(hub_source_path(source))
+        stored = stored_head(Path(resolve_source(source)))
     restrict_lm_head(model, ids, stored)
     return True
 
-
-def hub_source_path(source: str) -> Path:
-    from specdecode.weights import resolve_source
-
-    return Path(resolve_source(source))

@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 
-from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, SpecDecoder
+from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, SpecDecoder, verify_costs
 from specdecode.bench.data import load_prompts
 from specdecode.bench.harness import run_bench
 from specdecode.bench.loaders import (
     NEEDS_DRAFT, BenchModels, all_methods, build_runners, load_models, num_draft_tokens, parse_methods, runner_is_ours,
     weights_bytes,
 )  # fmt: skip
-from specdecode.budget import load_or_measure
 from specdecode.bench.machine import command_line, machine_info
 from specdecode.bench.report import build_report, markdown
 from specdecode.cli import add_sampling_args, add_weight_args, sampling_params
@@ -75,7 +74,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     models = load_models(args.target, args.draft, methods, plan, args.device, args.draft_vocab,
                          args.draft_vocab_corpus)
     ours_auto = args.num_draft_tokens is None and any(runner_is_ours(m) for m in methods if m != "none")
-    costs = load_or_measure(models.target, f"{args.target} | {plan.describe()} | {args.device}") if ours_auto else None
+    costs = verify_costs(models.target, args.target, plan, args.device) if ours_auto else None
     if costs is not None:
         print("bench: verify cost, relative to one token, for 1..16 tokens: "
               + " ".join(f"{r:.2f}" for r in costs.ratios()), file=sys.stderr)

@@ -50,11 +50,17 @@ class Draft:
         assert self.probs is None or self.probs.shape[0] == n, "one draft distribution per token"
         assert self.scores is None or len(self.scores) == n, "one score per token"
 
+    def depths(self) -> torch.Tensor:
+        """Depth of each node (a child of the root has depth 1) -> [n]; a chain's without building its mask."""
+        if self.is_chain:
+            return torch.arange(1, len(self) + 1, device=self.parents.device)
+        return depths(self.parents)
+
     def within_depth(self, max_depth: int) -> Draft:
         """The nodes at depth <= max_depth (a drafter that ignored DraftContext.max_depth)."""
-        if len(self) == 0:
+        if len(self) <= max_depth:
             return self
-        deep = depths(self.parents) > max_depth
+        deep = self.depths() > max_depth
         if not bool(deep.any()):
             return self
         return self.select([i for i, d in enumerate(deep.tolist()) if not d])

@@ -105,9 +105,6 @@ class DraftModelDrafter:
                 break
             logits = self._feed_nodes(expand, nodes)
             parents_of_row = expand
-        if ctx.costs is not None:  # the budget chooser's rule, with the time drafting took
-            ranked = sorted((n.score for n in nodes), reverse=True)[:max_tokens]
-            max_tokens = ctx.costs.best_count(ranked, time.perf_counter() - started)
         return self._draft(nodes, dists, ctx, max_tokens)
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
