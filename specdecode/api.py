@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.batch import BatchEngine
 from specdecode.budget import CostCurve, load_or_measure
 from specdecode.config import SamplingParams
 from specdecode.drafters import DRAFTERS
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
-from specdecode.engine import Engine
+from specdecode.engine import Engine, Step
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, load_model, load_tokenizer, plan_load
 from specdecode.model import Transformer
@@ -130,16 +131,18 @@ class SpecDecoder:
         text = TextStream(self.tokenizer, params.stop)
         steps = self.engine.generate(ids, params, num_draft_tokens)
         for step in steps:
-            pieces, kept = text.push(step.tokens)
-            self.stats.new_tokens -= len(step.tokens) - kept  # tokens past a stop string are not output
-            flags = [i < step.num_accepted for i in range(kept)]
-            reason = "stop" if text.stopped else step.finish_reason
-            if reason is not None and pieces:
-                pieces[-1] += text.flush()
-            yield TextChunk(pieces, step.tokens[:kept], flags, reason)
-            if reason is not None:
+            chunk = text_chunk(text, step, self.stats)
+            yield chunk
+            if chunk.finish_reason is not None:
                 steps.close()
                 return
+
+    def batch_engine(self, max_running: int = 16, kv_budget_tokens: int | None = None) -> BatchEngine:
+        """An engine that runs many requests through one forward per step (the server's), over the same models:
+        each request gets a fresh drafter like this decoder's."""
+        e = self.engine
+        return BatchEngine(e.target, e.drafter.fork, e.num_draft_tokens, e.max_len, e.costs, max_running,
+                           kv_budget_tokens)
 
     def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False,
                  num_draft_tokens: int | None = None) -> Generation:
@@ -150,6 +153,17 @@ class SpecDecoder:
             flags += chunk.from_draft
             reason = chunk.finish_reason
         return Generation("".join(pieces), ids, flags, reason, self.stats)
+
+
+def text_chunk(text: TextStream, step: Step, stats: GenerationStats) -> TextChunk:
+    """An engine Step -> the text it releases, stop strings applied (tokens past one are not output)."""
+    pieces, kept = text.push(step.tokens)
+    stats.new_tokens -= len(step.tokens) - kept
+    flags = [i < step.num_accepted for i in range(kept)]
+    reason = "stop" if text.stopped else step.finish_reason
+    if reason is not None and pieces:
+        pieces[-1] += text.flush()
+    return TextChunk(pieces, step.tokens[:kept], flags, reason)
 
 
 def build_drafter(method: str, target: torch.nn.Module, draft_model: torch.nn.Module | None = None,

@@ -48,12 +48,15 @@ class CostCurve:
         """Cost relative to a one-token forward, for reports."""
         return [s / self.seconds[0] for s in self.seconds]
 
-    def best_count(self, scores: list[float], draft_seconds: float = 0.0) -> int:
-        """How many of the nodes (scores sorted best first) to verify: argmax (1 + sum) / (D + C(n + 1))."""
-        best, best_rate, expected = 0, 1.0 / (draft_seconds + self.cost(1)), 1.0
+    def best_count(self, scores: list[float], draft_seconds: float = 0.0, tokens: float = 1.0,
+                   rows: int = 1) -> int:
+        """How many of the nodes (scores sorted best first) to verify: argmax (1 + sum) / (D + C(n + 1)).
+        In a batch the forward also carries `rows` other rows that yield `tokens` tokens without any draft (a
+        request's root each, prompt chunks nothing): argmax (tokens + sum) / (D + C(rows + n))."""
+        best, best_rate, expected = 0, tokens / (draft_seconds + self.cost(rows)), tokens
         for n, score in enumerate(scores, start=1):
             expected += score
-            rate = expected / (draft_seconds + self.cost(n + 1))
+            rate = expected / (draft_seconds + self.cost(rows + n))
             if rate > best_rate:
                 best, best_rate = n, rate
         return best

@@ -13,6 +13,11 @@ Explicit positions and masks are what let one forward verify a chain or a tree o
 `decode=True` (the engine's decode and verify steps) computes every row exactly as a one-token forward of that
 token would: attention one row at a time, and, with the linear layers on the CPU kernel (quantize.py), a verify
 forward's logits equal one-token forwards bit for bit.
+
+`forward_parts(parts)` is the same forward over several sequences at once (continuous batching): each `Part` has its
+own tokens, positions, cache and mask; their rows are concatenated (ragged, no padding), so the weights are read
+once for everyone, and attention runs per part against that part's cache. In decode mode every row is still
+computed as its own one-token forward would be: a request's output does not depend on what it was batched with.
 """
 
 from __future__ import annotations
@@ -89,6 +94,29 @@ class RowSlots:
         return torch.cat((head, torch.tensor(self.extras[t], dtype=torch.long, device=device))) if self.extras else head
 
 
+@dataclass(slots=True)
+class Segment:
+    """The rows [begin, end) of a forward that belong to one sequence, and where that sequence's keys live."""
+
+    begin: int
+    end: int
+    cache: KVCache
+    write_pos: torch.Tensor  # [end - begin] cache slots of the new tokens
+    attn_mask: torch.Tensor  # [B or 1, 1, end - begin, S]
+    rows: RowSlots | None  # decode mode: each row's slots; None = one attention call under attn_mask
+
+
+@dataclass(slots=True)
+class Part:
+    """One sequence's share of a ragged forward (forward_parts): t new tokens after cache.length cached ones."""
+
+    tokens: torch.Tensor  # [t]
+    positions: torch.Tensor  # [t] rotary positions
+    cache: KVCache  # batch 1
+    attn_mask: torch.Tensor  # [1, 1, t, S] bool
+    logits_from: int = 0  # logits only for rows [logits_from, t)
+
+
 def row_slots(attn_mask: torch.Tensor) -> RowSlots:
     """[B, 1, T, S] mask (shared by the batch) -> each row's slots: the leading run of allowed slots, then the rest
     in ascending order. A tree node's ancestors ascend along its path, so that order is the path's order: the row
@@ -125,11 +153,8 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, d]
         cos: torch.Tensor,  # [B, 1, T, hd]
         sin: torch.Tensor,  # [B, 1, T, hd]
-        k_cache: torch.Tensor,  # [B, kv_heads, max_len, hd]
-        v_cache: torch.Tensor,  # [B, kv_heads, max_len, hd]
-        write_pos: torch.Tensor,  # [T] cache slots of the new tokens
-        attn_mask: torch.Tensor,  # [B, 1, T, S]
-        rows: RowSlots | None,  # the slots each row attends to, one row at a time; None = one call under attn_mask
+        layer: int,
+        segments: list[Segment],  # one per sequence whose rows are in x (a plain forward: one covering all rows)
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
@@ -137,8 +162,26 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if len(segments) == 1:  # the common case slices nothing
+            seg = segments[0]
+            out = self._attend(q, k, v, cos, sin, seg.cache.k[layer], seg.cache.v[layer], seg)
+        else:  # batch 1, rows ragged: slices along the rows stay contiguous
+            out = torch.cat([
+                self._attend(q[:, s.begin : s.end], k[:, s.begin : s.end], v[:, s.begin : s.end],
+                             cos[:, :, s.begin : s.end], sin[:, :, s.begin : s.end], s.cache.k[layer],
+                             s.cache.v[layer], s)
+                for s in segments
+            ], dim=2)  # fmt: skip
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """One sequence's rows: q [B, T, H, hd], k, v [B, T, Hkv, hd] -> attention output [B, H, T, hd]."""
+        B, T = q.shape[:2]
+        rows, attn_mask, write_pos = seg.rows, seg.attn_mask, seg.write_pos
         if (kernels := glue_kernels(q, k_cache)) is not None:  # rotary and cache writes in one call
-            q = kernels.rope_store(q, k, v, cos.view(B, T, -1), sin.view(B, T, -1), k_cache, v_cache, write_pos)
+            q = kernels.rope_store(q, k, v, cos.reshape(B, T, -1), sin.reshape(B, T, -1), k_cache, v_cache,
+                                   write_pos)
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
             q = q * cos + rotate_half(q) * sin
@@ -147,27 +190,26 @@ class Attention(nn.Module):
             v_cache.index_copy_(2, write_pos, v)
         if rows is None:
             span = attn_mask.shape[-1]
-            out = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=attn_mask, enable_gqa=True
             )  # [B, H, T, hd]
-        elif (kernels := cpu_kernels() if x.device.type == "cpu" and self.head_dim % 8 == 0 else None) is not None:
+        if (kernels := cpu_kernels() if q.device.type == "cpu" and self.head_dim % 8 == 0 else None) is not None:
             # Each row by one fixed sequence of operations whatever T is: rows agree bit for bit with T = 1.
             out = kernels.decode_attention(q.float().contiguous(), k_cache, v_cache, rows.spans, rows.extras)
-            out = out.to(x.dtype)
-        elif not rows.extras:  # one query per call, exactly the call a one-token forward makes: rows agree bit for bit
-            out = torch.cat([
+            return out.to(q.dtype)
+        if not rows.extras:  # one query per call, exactly the call a one-token forward makes: rows agree bit for bit
+            return torch.cat([
                 F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, :span], v_cache[:, :, :span],
                                                enable_gqa=True)
                 for j, span in enumerate(rows.spans)
             ], dim=2)  # fmt: skip
-        else:  # tree rows gather their slots: the same values as a one-token forward, maybe not the same last bits
-            parts = []
-            for j in range(q.shape[2]):
-                slots = rows.slots(j, q.device)
-                parts.append(F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, slots],
-                                                            v_cache[:, :, slots], enable_gqa=True))
-            out = torch.cat(parts, dim=2)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        # Tree rows gather their slots: the same values as a one-token forward, maybe not the same last bits.
+        parts = []
+        for j in range(q.shape[2]):
+            slots = rows.slots(j, q.device)
+            parts.append(F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, slots],
+                                                        v_cache[:, :, slots], enable_gqa=True))
+        return torch.cat(parts, dim=2)
 
 
 class MLP(nn.Module):
@@ -233,17 +275,52 @@ class Transformer(nn.Module):
         logits_from: int = 0,  # logits only for positions [logits_from, T): prefill needs the last one only
         decode: bool = False,  # compute every row exactly as a one-token forward would (decode and verify steps)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = row_slots(attn_mask) if decode else None
+        write_pos = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)  # [T]
+        seg = Segment(0, tokens.shape[1], cache, write_pos, attn_mask, row_slots(attn_mask) if decode else None)
+        hidden = self._layers(tokens, positions, [seg])  # [B, T, d]
+        logits = self.lm_head(hidden[:, logits_from:]).float()  # [B, T - logits_from, vocab]
+        return logits, hidden
+
+    def forward_parts(self, parts: list[Part], decode: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One forward over several sequences' new tokens -> per part (logits [t - logits_from, vocab],
+        hidden [t, d]). Keys and values go into each part's own cache; the callers advance the lengths."""
+        segments, begin = [], 0
+        for part in parts:
+            t, start = part.tokens.numel(), part.cache.length
+            write_pos = torch.arange(start, start + t, device=part.tokens.device)
+            segments.append(Segment(begin, begin + t, part.cache, write_pos, part.attn_mask,
+                                    row_slots(part.attn_mask) if decode else None))
+            begin += t
+        tokens = torch.cat([p.tokens for p in parts])[None]  # [1, N]
+        positions = torch.cat([p.positions for p in parts])[None]
+        hidden = self._layers(tokens, positions, segments)[0]  # [N, d]
+        wanted = [torch.arange(s.begin + p.logits_from, s.end, device=hidden.device) for s, p in zip(segments, parts)]
+        logits = self.lm_head(hidden[torch.cat(wanted)][None])[0].float()  # [sum of wanted, vocab]
+        out, at = [], 0
+        for seg, rows in zip(segments, wanted):
+            out.append((logits[at : at + rows.numel()], hidden[seg.begin : seg.end]))
+            at += rows.numel()
+        return out
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Embedding, every decoder layer and the final norm -> hidden states [B, T, d]."""
         x = self.model.embed_tokens(tokens)  # [B, T, d]
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        write_pos = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)  # [T]
         for i, block in enumerate(self.model.layers):
-            h = block.self_attn(block.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], write_pos, attn_mask,
-                                rows)
-            x = x + h
+            x = x + block.self_attn(block.input_layernorm(x), cos, sin, i, segments)
             x = x + block.mlp(block.post_attention_layernorm(x))
-        hidden = self.model.norm(x)  # [B, T, d]
-        logits = self.lm_head(hidden[:, logits_from:]).float()  # [B, T - logits_from, vocab]
-        return logits, hidden
+        return self.model.norm(x)
+
+
+def forward_parts(model: nn.Module, parts: list[Part], decode: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`model.forward_parts` where the model has it; otherwise (transformers' models) one forward per part, which is
+    correct but reads the weights once per part."""
+    if hasattr(model, "forward_parts"):
+        return model.forward_parts(parts, decode)
+    out = []
+    for p in parts:
+        logits, hidden = model(p.tokens[None], p.positions[None], p.cache, p.attn_mask, p.logits_from, decode)
+        out.append((logits[0], hidden[0]))
+    return out

@@ -1,5 +1,6 @@
-"""The server's scheduler and HTTP plumbing on a scripted decoder (no model): FIFO order, per-request draft length,
-queue limit (503), cancellation while queued and while running, and a crashing request that costs only itself."""
+"""The server's scheduler and HTTP plumbing on a scripted batch engine (no model): per-request draft length, the
+bound on running requests, fairness between clients, queue and per-client limits (503, 429), cancellation while
+waiting and while running, a crashing request that costs only itself, and SSE keep-alive comments."""
 
 from __future__ import annotations
 
@@ -10,49 +11,99 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from specdecode.api import TextChunk
+from specdecode.batch import StepInfo
 from specdecode.config import SamplingParams
+from specdecode.errors import SpecdecodeError
+from specdecode.sequence import Step
 from specdecode.server.app import create_app
 from specdecode.server.background import BackgroundServer
 from specdecode.server.metrics import Metrics
-from specdecode.server.scheduler import Chunk, Failure, QueueFull, Scheduler
+from specdecode.server.scheduler import ClientLimit, Chunk, Failure, QueueFull, Scheduler
 from specdecode.server.settings import ServerSettings
 from specdecode.stats import GenerationStats
 
 PARAMS = SamplingParams(max_new_tokens=3)
 
 
-class ScriptedDecoder:
-    """SpecDecoder's surface as the server uses it; every step takes a permit, so tests control timing."""
+class Tokenizer:
+    def __len__(self) -> int:
+        return 100
 
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f"t{i}" for i in ids)
+
+
+class ScriptedSeq:
+    def __init__(self, prompt: list[int], k: int | None, steps: int) -> None:
+        self.prompt, self.k, self.steps_left = prompt, k, steps
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+
+
+class ScriptedEngine:
+    """BatchEngine's surface as the scheduler uses it; every step takes a permit, so tests control timing."""
+
+    def __init__(self, steps: int, max_running: int) -> None:
+        self.steps, self.max_running = steps, max_running
+        self.kv_budget_tokens, self.kv_reserved = 1000, 0
+        self.running: list[ScriptedSeq] = []
+        self.started: list[tuple[list[int], int | None]] = []  # (prompt, draft length) per request admitted
+        self.batches: list[list[int]] = []  # the first prompt id of each request in each step
+        self.permits = threading.Semaphore(0)
+        self.last = StepInfo()
+
+    def check(self, prompt, params, k=None) -> None:
+        if len(prompt) > 20:
+            raise SpecdecodeError(f"the request needs {len(prompt) + 10} KV cache slots but the server's KV budget "
+                                  "is 30")
+
+    def can_admit(self, prompt_len: int, params) -> bool:
+        return len(self.running) < self.max_running
+
+    def add(self, prompt, params, k=None) -> ScriptedSeq:
+        seq = ScriptedSeq(prompt, k, self.steps)
+        self.running.append(seq)
+        self.started.append((prompt, k))
+        return seq
+
+    def remove(self, seq) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def step(self):
+        assert self.permits.acquire(timeout=10)
+        self.batches.append([s.prompt[0] for s in self.running])
+        out = []
+        for seq in list(self.running):
+            if seq.prompt == [99]:
+                self.remove(seq)
+                out.append((seq, RuntimeError("planted crash")))
+                continue
+            seq.steps_left -= 1
+            seq.stats.record_step(2, 1, 1, 0.01)
+            done = seq.steps_left == 0
+            out.append((seq, Step([seq.steps_left], 2, 1, "length" if done else None)))
+            if done:
+                self.remove(seq)
+        self.last = StepInfo(len(out), len(out), 0, [2] * len(out))
+        return out
+
+
+class ScriptedDecoder:
     method = "ngram"
 
-    def __init__(self, steps: int = 3) -> None:
-        self.engine = SimpleNamespace(num_draft_tokens=4, max_len=64)
-        self.tokenizer = [None] * 100  # len() is the vocabulary size
-        self.stats = GenerationStats()
-        self.steps = steps
-        self.permits = threading.Semaphore(0)
-        self.served: list[tuple[list[int], int]] = []  # (prompt ids, draft length) per request started
-        self.steps_run: list[int] = []  # per request started
+    def __init__(self, steps: int = 3, max_running: int = 16) -> None:
+        self.engine = SimpleNamespace(num_draft_tokens=4, max_len=64, target=None)
+        self.tokenizer = Tokenizer()
+        self.batch = ScriptedEngine(steps, max_running)
+
+    def batch_engine(self, max_running: int, kv_budget_tokens: int | None):
+        return self.batch
 
     def allow(self, steps: int = 10_000) -> None:
-        self.permits.release(steps)
+        self.batch.permits.release(steps)
 
     def encode(self, prompt, chat: bool = False) -> list[int]:
         return [ord(c) % 100 for c in str(prompt)]
-
-    def stream(self, ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None):
-        self.served.append((ids, self.engine.num_draft_tokens if num_draft_tokens is None else num_draft_tokens))
-        self.steps_run.append(0)
-        self.stats = GenerationStats(prompt_tokens=len(ids))
-        if ids == [99]:
-            raise RuntimeError("planted crash")
-        for i in range(self.steps):
-            assert self.permits.acquire(timeout=10)
-            self.steps_run[-1] += 1
-            self.stats.record_step(2, 1, 2, 0.01)
-            yield TextChunk([f"t{i}", ""], [i, i], [True, False], "length" if i == self.steps - 1 else None)
 
 
 async def drain(job) -> list:
@@ -62,9 +113,8 @@ async def drain(job) -> list:
     return events
 
 
-def with_scheduler(decoder: ScriptedDecoder, max_waiting: int, body) -> None:
-    metrics = Metrics("m", "ngram")
-    scheduler = Scheduler(decoder, metrics, max_waiting)
+def with_scheduler(decoder: ScriptedDecoder, body, max_waiting: int = 8, max_per_client: int = 32) -> None:
+    scheduler = Scheduler(decoder, Metrics("m", "ngram"), max_waiting, max_per_client=max_per_client)
     scheduler.start()
     try:
         asyncio.run(body(scheduler))
@@ -73,7 +123,7 @@ def with_scheduler(decoder: ScriptedDecoder, max_waiting: int, body) -> None:
         scheduler.stop()
 
 
-def test_requests_run_first_come_first_served_with_their_own_draft_length():
+def test_requests_share_steps_with_their_own_draft_length():
     decoder = ScriptedDecoder()
 
     async def body(scheduler):
@@ -81,15 +131,32 @@ def test_requests_run_first_come_first_served_with_their_own_draft_length():
         decoder.allow()
         for job in jobs:
             events = await drain(job)
-            assert [e.pieces for e in events] == [["t0", ""], ["t1", ""], ["t2", ""]]
-            assert events[-1].stats["new_tokens"] == 6
+            assert [e.token_ids for e in events] == [[2], [1], [0]]
+            assert events[-1].stats["new_tokens"] == 3
 
-    with_scheduler(decoder, 8, body)
-    assert decoder.served == [([1], 2), ([2], 4), ([3], 0)]  # None -> the server's default (4)
+    with_scheduler(decoder, body)
+    assert decoder.batch.started == [([1], 2), ([2], None), ([3], 0)]  # None: the engine's default
+    assert decoder.batch.batches[0] == [1, 2, 3]  # one step served all three
 
 
-def test_queue_limit_refuses_and_then_recovers():
-    decoder = ScriptedDecoder()
+def test_a_client_with_many_requests_does_not_starve_another():
+    decoder = ScriptedDecoder(steps=2, max_running=2)
+
+    async def body(scheduler):
+        greedy = [scheduler.submit([10 + i], PARAMS, client="a") for i in range(6)]
+        polite = scheduler.submit([50], PARAMS, client="b")
+        decoder.allow()
+        for job in greedy + [polite]:
+            await drain(job)
+
+    with_scheduler(decoder, body)
+    order = [prompt[0] for prompt, _ in decoder.batch.started]
+    assert order.index(50) <= 2  # b's request starts as soon as a place frees, not after a's six
+    assert all(len(batch) <= 2 for batch in decoder.batch.batches)  # the bound on running requests holds
+
+
+def test_queue_and_per_client_limits_refuse_and_then_recover():
+    decoder = ScriptedDecoder(max_running=1)
 
     async def body(scheduler):
         running, waiting = scheduler.submit([1], PARAMS), scheduler.submit([2], PARAMS)
@@ -100,25 +167,38 @@ def test_queue_limit_refuses_and_then_recovers():
         await drain(waiting)
         await drain(scheduler.submit([4], PARAMS))  # room again
 
-    with_scheduler(decoder, 1, body)
+    with_scheduler(decoder, body, max_waiting=1)
+
+    async def per_client(scheduler):
+        first, second = scheduler.submit([1], PARAMS, client="x"), scheduler.submit([2], PARAMS, client="x")
+        with pytest.raises(ClientLimit):
+            scheduler.submit([3], PARAMS, client="x")
+        other = scheduler.submit([4], PARAMS, client="y")  # another client is not limited by x
+        decoder.allow()
+        for job in (first, second, other):
+            await drain(job)
+        await drain(scheduler.submit([5], PARAMS, client="x"))
+
+    decoder = ScriptedDecoder(max_running=1)
+    with_scheduler(decoder, per_client, max_per_client=2)
 
 
-def test_cancelled_requests_are_skipped_or_stopped():
-    decoder = ScriptedDecoder(steps=50)
+def test_cancelled_requests_are_dropped_or_stopped():
+    decoder = ScriptedDecoder(steps=50, max_running=1)
 
     async def body(scheduler):
         running, queued, after = (scheduler.submit([i], PARAMS) for i in (1, 2, 3))
         queued.cancel()  # still waiting: never starts
         decoder.allow(1)
         assert isinstance(await asyncio.wait_for(running.events.get(), 10), Chunk)
-        running.cancel()  # started: stops after its current step
+        running.cancel()  # started: leaves the batch before the next step
         decoder.allow()
         events = await drain(after)
         assert events[-1].finish_reason == "length"
 
-    with_scheduler(decoder, 8, body)
-    assert [ids for ids, _ in decoder.served] == [[1], [3]]
-    assert decoder.steps_run[0] <= 2 and decoder.steps_run[1] == 50
+    with_scheduler(decoder, body)
+    assert [prompt for prompt, _ in decoder.batch.started] == [[1], [3]]
+    assert sum(1 in batch for batch in decoder.batch.batches) <= 2
 
 
 def test_a_crashing_request_fails_alone():
@@ -126,25 +206,31 @@ def test_a_crashing_request_fails_alone():
     decoder.allow()
 
     async def body(scheduler):
-        crash = await asyncio.wait_for(scheduler.submit([99], PARAMS).events.get(), 10)
-        assert isinstance(crash, Failure) and crash.status == 500
-        assert (await drain(scheduler.submit([5], PARAMS)))[-1].finish_reason == "length"
+        crash, fine = scheduler.submit([99], PARAMS), scheduler.submit([5], PARAMS)
+        failure = await asyncio.wait_for(crash.events.get(), 10)
+        assert isinstance(failure, Failure) and failure.status == 500
+        assert (await drain(fine))[-1].finish_reason == "length"
 
-    with_scheduler(decoder, 8, body)
+    with_scheduler(decoder, body)
 
 
-def test_http_503_when_the_queue_is_full_and_404_for_unknown_routes():
-    decoder = ScriptedDecoder()
-    app = create_app(decoder, ServerSettings(model_name="m", max_waiting=0))
+def test_http_limits_keepalive_and_unknown_routes():
+    decoder = ScriptedDecoder(max_running=1)
+    app = create_app(decoder, ServerSettings(model_name="m", max_waiting=0, max_running=1, max_per_client=1,
+                                             keepalive_s=0.05))
     body = {"model": "m", "prompt": "hi", "stream": True}
     with BackgroundServer(app) as url, httpx.Client(base_url=url, timeout=10) as client:
         with client.stream("POST", "/v1/completions", json=body) as first:
             assert first.status_code == 200
-            busy = client.post("/v1/completions", json=body)
-            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
-            assert "busy" in busy.json()["error"]["message"]
+            limited = client.post("/v1/completions", json=body)  # the same client (address) again
+            assert limited.status_code == 429 and limited.headers["retry-after"] == "1"
+            assert "too many requests" in limited.json()["error"]["message"]
+            lines = first.iter_lines()
+            assert next(lines) == ": keep-alive"  # no step has run yet: the stream is kept open
             decoder.allow()
-            lines = [line for line in first.iter_lines() if line]
-        assert lines[-1] == "data: [DONE]"
+            rest = [line for line in lines if line and line != ": keep-alive"]
+        assert rest[-1] == "data: [DONE]"
+        too_big = client.post("/v1/completions", json=body | {"prompt": "x" * 40})
+        assert too_big.status_code == 400 and "KV budget is 30" in too_big.json()["error"]["message"]
         missing = client.get("/v2/nothing")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"

@@ -25,7 +25,7 @@ from specdecode.bench.loaders import (
 )  # fmt: skip
 from specdecode.bench.machine import command_line, machine_info
 from specdecode.bench.report import build_report, markdown
-from specdecode.cli import add_sampling_args, add_weight_args, sampling_params
+from specdecode.cli_args import add_sampling_args, add_weight_args, sampling_params
 from specdecode.drafters import DRAFTERS
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, plan_load

@@ -105,11 +105,18 @@ class DraftContext:
     hidden: torch.Tensor | None = None  # [T, d] target hidden states of the last step's emitted tokens, if any
     costs: CostCurve | None = None  # what a target forward over m tokens costs here; None = fixed draft size
     max_depth: int = 1 << 30  # deeper nodes could not be emitted (the request's token budget is nearly spent)
+    # In a batch (batch.py): the tokens the other requests' rows yield and how many rows they put in the same
+    # forward, so a drafter weighs its extra rows against what the whole forward makes.
+    others_tokens: float = 0.0
+    others_rows: int = 0
 
 
 class Drafter(Protocol):
     def reset(self) -> None:
         """Forget everything about the previous request."""
+
+    def fork(self) -> Drafter:
+        """A fresh drafter with the same settings (and shared weights), for another request in a batch."""
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """Guess up to `max_tokens` tokens that follow `ctx.tokens`."""

@@ -71,6 +71,10 @@ class DraftModelDrafter:
     def shape(self) -> str:
         return "chain" if self.width == 1 else "tree"
 
+    def fork(self) -> DraftModelDrafter:
+        return DraftModelDrafter(self.model, self.vocab_size, self.initial_len, self.min_confidence, self.width,
+                                 self.max_depth, self.expand)
+
     def reset(self) -> None:
         if self.cache is not None:
             self.cache.reset()
@@ -174,9 +178,10 @@ class DraftModelDrafter:
         best_new = best.score
         scores = sorted((n.score for n in nodes), reverse=True)[:max_tokens]
         spent = time.perf_counter() - started
-        n = ctx.costs.best_count(scores, spent)
-        expected, now = 1.0 + sum(scores[:n]), spent + ctx.costs.cost(n + 1)
-        grown = spent + self.forward_s + ctx.costs.cost(n + 2)
+        tokens, rows = 1.0 + ctx.others_tokens, 1 + ctx.others_rows  # in a batch the others share the forward
+        n = ctx.costs.best_count(scores, spent, tokens, rows)
+        expected, now = tokens + sum(scores[:n]), spent + ctx.costs.cost(rows + n)
+        grown = spent + self.forward_s + ctx.costs.cost(rows + n + 1)
         return (expected + best_new) / grown > expected / now
 
     def _draft(self, nodes: list[Node], dists: list[torch.Tensor], ctx: DraftContext, max_tokens: int) -> Draft:

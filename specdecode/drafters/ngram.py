@@ -35,6 +35,9 @@ class NgramDrafter:
     def shape(self) -> str:
         return "chain" if self.branches == 1 else "tree"
 
+    def fork(self) -> NgramDrafter:
+        return NgramDrafter(self.max_ngram, self.min_ngram, self.branches)
+
     def reset(self) -> None:
         self.tried, self.hits = PRIOR_WEIGHT, PRIOR_RATE * PRIOR_WEIGHT
         self.parents: list[int] = []

@@ -9,6 +9,9 @@ class NoDrafter:
     def reset(self) -> None:
         pass
 
+    def fork(self) -> NoDrafter:
+        return NoDrafter()
+
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         return Draft.empty()
 

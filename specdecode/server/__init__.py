@@ -6,8 +6,9 @@
     app = create_app(SpecDecoder.load("smollm2-135m-instruct", method="ngram"),
                      ServerSettings(model_name="smollm2-135m-instruct"))
 
-Modules: app (routes), service (request checks -> queued job), schemas (request bodies), scheduler (one worker
-thread owns the engine, FIFO queue), streams (SSE / whole answers), formats (OpenAI objects), metrics
-(Prometheus), cli (`serve` flags), background (a server in a thread), static/playground.html (GET /).
+Modules: app (routes), service (request checks -> queued job), schemas (request bodies), openapi (the
+/openapi.json document), scheduler (one worker thread runs the batch engine; fair admission, limits), streams
+(SSE / whole answers), formats (OpenAI objects), metrics (Prometheus), cli (`serve` flags), ray_app (replicas on
+Ray Serve), background (a server in a thread), static/playground.html (GET /).
 Nothing is imported here, so `specdecode generate` does not pay for importing the web stack.
 """

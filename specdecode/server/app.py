@@ -22,8 +22,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from specdecode.batch import kv_budget_tokens
 from specdecode.server.errors import ApiError, error_body, error_response
 from specdecode.server.metrics import Metrics
+from specdecode.server.openapi import (
+    POST_RESPONSES, ChatResponse, CompletionResponse, Health, ModelCard, ModelList, errors, sse_and_json,
+)
+from specdecode.server.openapi import install as install_openapi
 from specdecode.server.scheduler import Scheduler
 from specdecode.server.service import CompletionService
 from specdecode.server.settings import ServerSettings
@@ -32,8 +37,10 @@ log = logging.getLogger("specdecode.server")
 
 
 def create_app(decoder, settings: ServerSettings) -> FastAPI:
-    metrics = Metrics(settings.model_name, decoder.method)
-    scheduler = Scheduler(decoder, metrics, settings.max_waiting)
+    metrics = Metrics(settings.model_name, decoder.method, settings.replica)
+    kv_budget = kv_budget_tokens(decoder.engine.target, settings.kv_cache_gib)
+    scheduler = Scheduler(decoder, metrics, settings.max_waiting, settings.max_running, settings.max_per_client,
+                          kv_budget)
     service = CompletionService(decoder, scheduler, settings)
     playground = files("specdecode.server").joinpath("static/playground.html").read_text(encoding="utf-8")
 
@@ -44,24 +51,30 @@ def create_app(decoder, settings: ServerSettings) -> FastAPI:
         await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None)
+    auth = (401,) if settings.api_key else ()
+    install_openapi(app, settings.model_name, bool(settings.api_key),
+                    {"vocab_size": len(decoder.tokenizer), "max_len": decoder.engine.max_len,
+                     "max_draft_tokens": settings.max_draft_tokens})
     app.state.scheduler, app.state.metrics = scheduler, metrics
+    if settings.replica:
+        app.add_middleware(ReplicaHeader, replica=settings.replica)
     _add_error_handlers(app, metrics)
 
     api = APIRouter(prefix="/v1", dependencies=[Depends(bearer_check(settings.api_key))])
 
-    @api.post("/completions")
+    @api.post("/completions", responses=sse_and_json(CompletionResponse) | errors(*POST_RESPONSES, *auth))
     async def completions(request: Request) -> Response:
         return await service.handle(request, chat=False)
 
-    @api.post("/chat/completions")
+    @api.post("/chat/completions", responses=sse_and_json(ChatResponse) | errors(*POST_RESPONSES, *auth))
     async def chat_completions(request: Request) -> Response:
         return await service.handle(request, chat=True)
 
-    @api.get("/models")
+    @api.get("/models", response_model=ModelList, responses=errors(*auth))
     async def models() -> dict:
         return {"object": "list", "data": [model_card(decoder, scheduler, settings)]}
 
-    @api.get("/models/{name:path}")
+    @api.get("/models/{name:path}", response_model=ModelCard, responses=errors(404, *auth))
     async def model(name: str) -> dict:
         if name != settings.model_name:
             raise ApiError(404, f"model '{name}' is not served here", "model", "model_not_found")
@@ -69,13 +82,16 @@ def create_app(decoder, settings: ServerSettings) -> FastAPI:
 
     app.include_router(api)
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "Engine stopped"}})
     async def health() -> Response:
         alive = scheduler.alive
-        return JSONResponse({"status": "ok" if alive else "engine stopped", "model": settings.model_name},
-                            status_code=200 if alive else 503)
+        body = {"status": "ok" if alive else "engine stopped", "model": settings.model_name}
+        if settings.replica:
+            body["replica"] = settings.replica
+        return JSONResponse(body, status_code=200 if alive else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -128,3 +144,22 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         metrics.record_rejected(500)
         return JSONResponse(error_body(500, "internal server error (see the server log)"), status_code=500)
+
+
+class ReplicaHeader:
+    """ASGI middleware: every answer says which replica gave it (X-Specdecode-Replica), streams included."""
+
+    def __init__(self, app, replica: str) -> None:
+        self.app = app
+        self.header = (b"x-specdecode-replica", replica.encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_tagged(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_tagged)

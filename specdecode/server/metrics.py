@@ -15,14 +15,18 @@ P = "specdecode:"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DRAFT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
 
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, method: str) -> None:
+    def __init__(self, model_name: str, method: str, replica: str | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name, "method": method}
+        if replica:  # one of several replicas behind one endpoint (Ray Serve): its series stay apart
+            labels["replica"] = replica
         names, r = list(labels), self.registry
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
@@ -58,7 +62,36 @@ class Metrics:
                              buckets=E2E_BUCKETS, registry=r).labels(**labels)
         self.queue_time = Histogram(P + "request_queue_time_seconds", "Time spent waiting for the engine.",
                                     names, buckets=E2E_BUCKETS, registry=r).labels(**labels)
+        self.batch_size = Histogram(P + "batch_size", "Requests with rows in one engine step (decoding and "
+                                    "prefilling).", names, buckets=BATCH_BUCKETS, registry=r).labels(**labels)
+        self.batch_rows = Histogram(P + "batch_rows", "Rows (tokens) in one engine step's target forward.", names,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r).labels(**labels)
+        self.draft_tokens_per_step = Histogram(
+            P + "spec_decode_draft_tokens_per_step", "Draft tokens verified for one request in one step (0 = "
+            "speculation off for it: the budget chooser found drafting does not pay at this load).", names,
+            buckets=DRAFT_BUCKETS, registry=r).labels(**labels)
+        self.kv_reserved = Gauge(P + "kv_cache_reserved_tokens", "KV cache slots reserved by running requests.",
+                                 names, registry=r).labels(**labels)
+        self.kv_budget = Gauge(P + "kv_cache_budget_tokens", "KV cache slots all running requests may reserve.",
+                               names, registry=r).labels(**labels)
+        self.kv_usage = Gauge(P + "kv_cache_usage_perc", "Reserved share of the KV cache budget (0-1).", names,
+                              registry=r).labels(**labels)
+        self._kv_budget = 0
         self._labels = labels
+
+    def record_step(self, info, running: int, kv_reserved: int) -> None:
+        """One engine step: `info` is batch.StepInfo."""
+        self.batch_size.observe(info.requests)
+        self.batch_rows.observe(info.rows)
+        for n in info.draft_tokens:
+            self.draft_tokens_per_step.observe(n)
+        self.running.set(running)
+        self.kv_reserved.set(kv_reserved)
+        self.kv_usage.set(kv_reserved / self._kv_budget if self._kv_budget else 0.0)
+
+    def set_kv_budget(self, tokens: int) -> None:
+        self._kv_budget = tokens
+        self.kv_budget.set(tokens)
 
     def record_finished(self, stats: GenerationStats | None, reason: str, ttft_s: float | None,
                         e2e_s: float) -> None:

@@ -1,25 +1,31 @@
-"""The engine serves one request at a time; this module shares it fairly between many HTTP clients.
+"""Many HTTP clients, one batch engine: continuous batching with speculation (batch.py).
 
-One worker thread owns the decoder (its single KV cache) and takes requests from a FIFO queue, first come first
-served, each to completion. It never waits on a client: every chunk goes into that request's unbounded asyncio
-queue via `loop.call_soon_threadsafe`, so a slow reader only lets its own queue grow (bounded by max_tokens).
-A request whose client went away is cancelled: skipped if still queued, or stopped after the current step.
-Batching speculation across requests is a later step; until then throughput is one request's speed.
+One worker thread owns the BatchEngine. Each loop it admits waiting requests while the engine has room (a bound on
+running requests and on reserved KV cache slots), runs ONE engine step for every running request, and hands
+each request the text its step released. Requests join and leave between steps.
+
+Fairness: a client is its peer address. Admission takes the waiting request of the client with the fewest
+requests running (the earliest among ties), so a client that sends many requests gets its turn like every
+other, never all the slots; and a client may hold at most `max_per_client` requests, running and waiting
+(beyond that: 429). The worker never waits on a client: every chunk goes into that request's asyncio queue via
+`loop.call_soon_threadsafe`, so a slow reader only lets its own queue grow (bounded by max_tokens). A request
+whose client went away is cancelled: dropped if still waiting, or removed from the batch before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.server.metrics import Metrics
+from specdecode.text import TextStream
 
 log = logging.getLogger("specdecode.server")
 
@@ -45,14 +51,22 @@ class QueueFull(Exception):
     pass
 
 
-@dataclass
+class ClientLimit(Exception):
+    pass
+
+
+@dataclass(eq=False)
 class Job:
     prompt_ids: list[int]
     params: SamplingParams
     num_draft_tokens: int | None
     loop: asyncio.AbstractEventLoop
+    client: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunk... then a final Chunk or a Failure
     arrived: float = field(default_factory=time.perf_counter)
+    seq: Any = None  # the engine's Sequence once admitted
+    text: TextStream | None = None
+    first_token_at: float | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -72,82 +86,169 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, decoder, metrics: Metrics, max_waiting: int) -> None:
+    def __init__(self, decoder, metrics: Metrics, max_waiting: int, max_running: int = 16,
+                 max_per_client: int = 32, kv_budget_tokens: int | None = None) -> None:
         self.decoder = decoder
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.max_per_client = max_per_client
+        self.engine = decoder.batch_engine(max_running, kv_budget_tokens)
         self.default_num_draft_tokens = decoder.engine.num_draft_tokens
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._pending = 0  # submitted and not finished, the running one included
+        self._waiting: list[Job] = []
+        self._running: list[Job] = []
+        self._per_client: Counter[str] = Counter()  # running + waiting
+        self._cond = threading.Condition()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._work, name="specdecode-engine", daemon=True)
+        metrics.set_kv_budget(self.engine.kv_budget_tokens)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what is queued, stop the running request after its current step, and join the worker."""
-        self._closing.set()
-        self._queue.put(None)
+        """Fail what is waiting, stop the running requests after the current step, and join the worker."""
+        with self._cond:
+            self._closing.set()
+            self._cond.notify_all()
         self._thread.join(timeout)
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._closing.is_set()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> Job:
-        """Queue a request (call from the event loop). Raises QueueFull past max_waiting requests in line."""
-        with self._lock:
-            if self._closing.is_set() or self._pending > self.max_waiting:
+    def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> None:
+        """Raise SpecdecodeError for a request the engine could never run (too long for the KV budget)."""
+        self.engine.check(prompt_ids, params, num_draft_tokens)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
+               client: str = "") -> Job:
+        """Queue a request (call from the event loop). Raises QueueFull past max_waiting requests in line, and
+        ClientLimit when this client already holds max_per_client requests."""
+        with self._cond:
+            if self._per_client[client] >= self.max_per_client:
+                raise ClientLimit
+            if self._closing.is_set() or len(self._waiting) >= self.max_waiting + self._free_slots():
                 raise QueueFull
-            self._pending += 1
-        job = Job(prompt_ids, params, num_draft_tokens, asyncio.get_running_loop())
-        self.metrics.waiting.inc()
-        self._queue.put(job)
+            job = Job(prompt_ids, params, num_draft_tokens, asyncio.get_running_loop(), client)
+            self._per_client[client] += 1
+            self._waiting.append(job)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cond.notify_all()
         return job
 
-    def _work(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self.metrics.waiting.dec()
-            try:
-                if self._closing.is_set():
-                    job.emit(Failure(503, "the server is shutting down"))
-                elif job.cancelled:
-                    self.metrics.record_finished(None, "abort", None, time.perf_counter() - job.arrived)
-                else:
-                    self._serve(job)
-            except Exception:  # a bug must cost one request, never the worker that serves everyone
-                log.exception("request failed")
-                job.emit(Failure(500, "internal server error (see the server log)"))
-            finally:
-                with self._lock:
-                    self._pending -= 1
+    def _free_slots(self) -> int:
+        """Requests that could start at once (the engine has room for them)."""
+        return max(0, self.engine.max_running - len(self._running))
 
-    def _serve(self, job: Job) -> None:
-        started = time.perf_counter()
-        self.metrics.queue_time.observe(started - job.arrived)
-        self.metrics.running.set(1)
-        reason, first_token_at, stats, last = "error", None, None, None
-        chunks = self.decoder.stream(job.prompt_ids, job.params, num_draft_tokens=job.num_draft_tokens)
+    # --- the worker -----------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
         try:
-            for chunk in chunks:
-                stats = self.decoder.stats
-                first_token_at = first_token_at or time.perf_counter()
-                event = Chunk(chunk.pieces, chunk.token_ids, chunk.from_draft, chunk.finish_reason, stats.to_dict())
-                if chunk.finish_reason is not None:
-                    reason, last = chunk.finish_reason, event
-                    break
-                job.emit(event)
-                if job.cancelled or self._closing.is_set():
-                    reason = "abort"
-                    break
-        except SpecdecodeError as e:
-            job.emit(Failure(400, str(e)))
+            while True:
+                with self._cond:
+                    while not self._closing.is_set() and not self._waiting and not self._running:
+                        self._cond.wait()
+                    if self._closing.is_set():
+                        break
+                    admitted = self._admit()
+                for job in admitted:
+                    self.metrics.queue_time.observe(time.perf_counter() - job.arrived)
+                self._drop_cancelled()
+                if self._running:
+                    self._step()
         finally:
-            chunks.close()
-            self.metrics.running.set(0)
-            ttft = first_token_at - job.arrived if first_token_at else None
-            self.metrics.record_finished(stats, reason, ttft, time.perf_counter() - job.arrived)
-        if last is not None:  # after the metrics, so a client that scrapes /metrics next sees its request
+            self._shut_down()
+
+    def _admit(self) -> list[Job]:
+        """Move waiting jobs into the batch, fairest first, while the engine has room (lock held)."""
+        admitted = []
+        while self._waiting:
+            self._waiting = [j for j in self._waiting if not self._forget_if_cancelled(j)]
+            if not self._waiting:
+                break
+            running = Counter(j.client for j in self._running)
+            job = min(self._waiting, key=lambda j: (running[j.client], j.arrived))
+            if not self.engine.can_admit(len(job.prompt_ids), job.params):
+                break  # the fairest waits for room; nobody overtakes it, so it cannot starve
+            self._waiting.remove(job)
+            try:
+                job.seq = self.engine.add(job.prompt_ids, job.params, job.num_draft_tokens)
+            except SpecdecodeError as e:
+                self._end(job, Failure(400, str(e)), "error")
+                continue
+            job.text = TextStream(self.decoder.tokenizer, job.params.stop)
+            self._running.append(job)
+            admitted.append(job)
+        self.metrics.waiting.set(len(self._waiting))
+        return admitted
+
+    def _forget_if_cancelled(self, job: Job) -> bool:
+        if not job.cancelled:
+            return False
+        self._per_client[job.client] -= 1
+        self.metrics.record_finished(None, "abort", None, time.perf_counter() - job.arrived)
+        return True
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._running if j.cancelled]:
+            self.engine.remove(job.seq)
+            self._end(job, None, "abort")
+
+    def _step(self) -> None:
+        from specdecode.api import text_chunk
+
+        try:
+            results = self.engine.step()
+        except Exception:  # a bug in the forward fails the requests in it, never the worker serving everyone
+            log.exception("engine step failed")
+            for job in list(self._running):
+                self.engine.remove(job.seq)
+                self._end(job, Failure(500, "internal server error (see the server log)"), "error")
+            return
+        self.metrics.record_step(self.engine.last, len(self._running), self.engine.kv_reserved)
+        jobs = {id(j.seq): j for j in self._running}
+        for seq, outcome in results:
+            job = jobs[id(seq)]
+            if isinstance(outcome, Exception):
+                if isinstance(outcome, SpecdecodeError):
+                    failure = Failure(400, str(outcome))
+                else:
+                    log.error("request failed", exc_info=outcome)
+                    failure = Failure(500, "internal server error (see the server log)")
+                self._end(job, failure, "error")
+                continue
+            chunk = text_chunk(job.text, outcome, seq.stats)
+            job.first_token_at = job.first_token_at or time.perf_counter()
+            event = Chunk(chunk.pieces, chunk.token_ids, chunk.from_draft, chunk.finish_reason, seq.stats.to_dict())
+            if chunk.finish_reason is None:
+                job.emit(event)
+            else:
+                self.engine.remove(seq)  # a stop string ends it here, not in the engine
+                self._end(job, event, chunk.finish_reason)
+
+    def _end(self, job: Job, last: Chunk | Failure | None, reason: str) -> None:
+        """The job leaves: metrics first, so a client that scrapes /metrics after its answer sees its request."""
+        if job in self._running:
+            self._running.remove(job)
+        with self._cond:
+            self._per_client[job.client] -= 1
+        stats = job.seq.stats if job.seq is not None else None
+        ttft = job.first_token_at - job.arrived if job.first_token_at else None
+        self.metrics.record_finished(stats, reason, ttft, time.perf_counter() - job.arrived)
+        self.metrics.running.set(len(self._running))
+        if last is not None:
             job.emit(last)
+
+    def _shut_down(self) -> None:
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+        for job in waiting + list(self._running):
+            if job.seq is not None:
+                self.engine.remove(job.seq)
+            if job in self._running:
+                self._running.remove(job)
+            job.emit(Failure(503, "the server is shutting down"))

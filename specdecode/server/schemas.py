@@ -12,9 +12,9 @@ Types are strict (a string is not a number), since a wrong type is a client bug 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
@@ -41,6 +41,18 @@ IGNORED = ("user",)  # harmless bookkeeping fields: accepted with any value
 MAX_STOP_STRINGS = 16
 
 
+INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "seed", "num_draft_tokens", "prompt")
+
+
+def _whole_numbers(value: Any) -> Any:
+    """JSON Schema counts 749.0 as an integer, and so do we (in lists too); 749.5 and "749" stay errors."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**64:
+        return int(value)
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -50,13 +62,20 @@ class StreamOptions(Strict):
 
 
 class SamplingFields(Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            return {k: _whole_numbers(v) if k in INTEGER_FIELDS else v for k, v in body.items()}
+        return body
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default is 1.0 (sampling); send 0 for greedy
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # extension (vLLM has it too); 0 = off
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch generator takes
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     num_draft_tokens: int | None = Field(None, ge=0)  # extension: draft length for this request
@@ -69,8 +88,16 @@ class SamplingFields(Strict):
         return stops
 
 
+NonEmptyText = Annotated[str, Field(min_length=1)]
+ONE = {"maxItems": 1}
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # Text or token ids; a list of them is OpenAI's batch form, of which one prompt per request is served.
+    # One prompt per request: the schema says so (maxItems 1), single_prompt() refuses a batch in plain words.
+    prompt: (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, json_schema_extra=ONE)]
+             | Annotated[list[TokenIds], Field(min_length=1, json_schema_extra=ONE)])
 
     def single_prompt(self) -> str | list[int]:
         """The prompt as text or token ids; batches of prompts are refused (one prompt per request)."""
@@ -149,7 +176,8 @@ def _to_api_error(err: ValidationError) -> ApiError:
 def _field_path(loc: tuple) -> str:
     """("prompt", "list[int]", 0) -> "prompt.0": union members add their type to loc; keep what the client wrote."""
     def is_tag(part: str) -> bool:
-        return part in ("str", "int", "float", "bool") or part.startswith(("list[", "function-", "json-"))
+        return part in ("str", "int", "float", "bool") or part.startswith(("list[", "function-", "json-",
+                                                                           "constrained-"))
 
     return ".".join(str(p) for p in loc if isinstance(p, int) or not is_tag(p)) or "body"
 

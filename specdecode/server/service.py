@@ -12,13 +12,16 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.server.errors import ApiError
 from specdecode.server.formats import Meta, completion, usage
 from specdecode.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_request, sampling_params
-from specdecode.server.scheduler import QueueFull, Scheduler
+from specdecode.server.scheduler import ClientLimit, QueueFull, Scheduler
 from specdecode.server.settings import ServerSettings
 from specdecode.server.streams import JobStream, collect
+
+SEEDED_NUM_DRAFT_TOKENS = 4  # the draft size of a seeded sampled request when the server's is automatic
 
 
 class CompletionService:
@@ -41,12 +44,21 @@ class CompletionService:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the context window is {self.max_len}: "
                                 "shorten the prompt", "messages" if chat else "prompt", "context_length_exceeded")
         params = sampling_params(req, room, None if chat else self.settings.completion_default_max_tokens)
-        k = self._num_draft_tokens(req)
+        k = self._num_draft_tokens(req, params)
         try:
-            job = self.scheduler.submit(ids, params, k)
+            self.scheduler.check(ids, params, k)
+        except SpecdecodeError as e:
+            raise ApiError(400, str(e), "max_tokens", "context_length_exceeded") from None
+        client = request.client.host if request.client else "unknown"
+        try:
+            job = self.scheduler.submit(ids, params, k, client)
         except QueueFull:
             raise ApiError(503, f"the server is busy ({self.settings.max_waiting} requests already waiting): "
                                 "retry shortly", code="server_busy", headers={"Retry-After": "1"}) from None
+        except ClientLimit:
+            raise ApiError(429, f"too many requests from this client: at most {self.settings.max_per_client} at "
+                                "once (running and waiting); retry when one has finished", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from None
 
         meta = Meta(req.model, chat)
         used_k = self.scheduler.default_num_draft_tokens if k is None else k
@@ -56,7 +68,7 @@ class CompletionService:
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return JobStream(job, meta, make_usage, include_usage)
+            return JobStream(job, meta, make_usage, include_usage, self.settings.keepalive_s)
         finished = await collect(job, request)
         if finished is None:  # the client left; nobody will read this
             return Response(status_code=499)
@@ -79,10 +91,15 @@ class CompletionService:
             raise ApiError(400, "the prompt is empty after tokenization", "prompt")
         return ids
 
-    def _num_draft_tokens(self, req: SamplingFields) -> int | None:
+    def _num_draft_tokens(self, req: SamplingFields, params: SamplingParams) -> int | None:
         k, limit = req.num_draft_tokens, self.settings.max_draft_tokens
         if k is not None and k > limit:
             raise ApiError(400, f"num_draft_tokens must be <= {limit}, got {k}", "num_draft_tokens")
+        if k is None and self.scheduler.default_num_draft_tokens is None and params.seed is not None \
+                and not params.greedy:
+            # An automatic draft size follows load and timing, and so would the draws a seeded request makes:
+            # a fixed size keeps its answer the same whatever else the server is doing.
+            return SEEDED_NUM_DRAFT_TOKENS
         return k
 
 

@@ -11,7 +11,12 @@ from specdecode.errors import SpecdecodeError
 class ServerSettings:
     model_name: str  # the name clients put in "model"; /v1/models lists it
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
-    max_waiting: int = 64  # requests queued behind the running one; more get 503 until the queue drains
+    max_waiting: int = 64  # requests queued beyond those the batch can start at once; more get 503
+    max_running: int = 16  # requests in the batch at once (one engine step serves them all)
+    max_per_client: int = 32  # requests one client (peer address) may hold, running and waiting; more get 429
+    kv_cache_gib: float = 4.0  # keys and values the running requests may reserve together
+    replica: str | None = None  # this server's name among replicas (Ray Serve), a label on its metrics
+    keepalive_s: float = 10.0  # an SSE comment this often while a stream waits, so proxies keep it open
     max_body_bytes: int = 1_000_000  # larger request bodies get 413 before they are parsed
     max_draft_tokens: int = 16  # upper bound for the per-request `num_draft_tokens` extension
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat defaults to the window
@@ -19,5 +24,10 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
             raise SpecdecodeError(f"--max-waiting must be >= 0, got {self.max_waiting}")
+        for name in ("max_running", "max_per_client"):
+            if getattr(self, name) < 1:
+                raise SpecdecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.kv_cache_gib > 0 or not self.keepalive_s > 0:
+            raise SpecdecodeError("--kv-cache-gib and the keep-alive interval must be > 0")
         if self.max_body_bytes < 1024:
             raise SpecdecodeError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")

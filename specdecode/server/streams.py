@@ -7,6 +7,7 @@ any reason (done, client gone, server stopping), and a waiting non-streaming req
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from specdecode.server.errors import ApiError, error_body
 from specdecode.server.formats import DONE, Meta, chunk, live_stats, sse, usage_chunk
 from specdecode.server.scheduler import Chunk, Failure, Job
 
+KEEPALIVE_S = 10.0  # default seconds between SSE keep-alive comments
+KEEPALIVE = ": keep-alive\n\n"
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
 
 UsageFn = Callable[[dict[str, Any]], dict[str, Any]]  # GenerationStats.to_dict() -> OpenAI usage
@@ -34,9 +37,11 @@ class Finished:
 class JobStream(StreamingResponse):
     """Server-sent events of one job; the job is cancelled whenever the response ends, however it ends."""
 
-    def __init__(self, job: Job, meta: Meta, make_usage: UsageFn, include_usage: bool) -> None:
+    def __init__(self, job: Job, meta: Meta, make_usage: UsageFn, include_usage: bool,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         # no-cache and no proxy buffering, so every chunk reaches the client at once
-        super().__init__(sse_events(job, meta, make_usage, include_usage), media_type="text/event-stream",
+        super().__init__(sse_events(job, meta, make_usage, include_usage, keepalive_s),
+                         media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.job = job
 
@@ -47,47 +52,66 @@ class JobStream(StreamingResponse):
             self.job.cancel()  # a no-op after the last chunk; stops generation if the client went away
 
 
-async def sse_events(job: Job, meta: Meta, make_usage: UsageFn, include_usage: bool) -> AsyncIterator[str]:
-    """OpenAI's chunk stream, ending with `data: [DONE]`; a failure mid-stream is sent as an error event."""
+async def sse_events(job: Job, meta: Meta, make_usage: UsageFn, include_usage: bool,
+                     keepalive_s: float = KEEPALIVE_S) -> AsyncIterator[str]:
+    """OpenAI's chunk stream, ending with `data: [DONE]`; a failure mid-stream is sent as an error event. While
+    the request waits for the batch (or a step), an SSE comment every `keepalive_s` keeps proxies from closing
+    the connection; clients ignore comments."""
     if meta.chat:  # OpenAI opens a chat stream with the role at once, before the first token
         yield sse(chunk(meta, "", role=True))
-    while True:
-        event = await job.events.get()
-        if isinstance(event, Failure):
-            yield sse(error_body(event.status, event.message))
-            break
-        text = "".join(event.pieces)
-        if text or event.finish_reason is not None:
-            extension = {"pieces": event.pieces, "from_draft": event.from_draft, "stats": live_stats(event.stats)}
-            yield sse(chunk(meta, text, event.finish_reason, extension=extension))
-        if event.finish_reason is not None:
-            if include_usage:
-                yield sse(usage_chunk(meta, make_usage(event.stats)))
-            break
+    async with aclosing(job_events(job, keepalive_s)) as events:
+        async for event in events:
+            if event is None:
+                yield KEEPALIVE
+                continue
+            if isinstance(event, Failure):
+                yield sse(error_body(event.status, event.message))
+                break
+            text = "".join(event.pieces)
+            if text or event.finish_reason is not None:
+                extension = {"pieces": event.pieces, "from_draft": event.from_draft,
+                             "stats": live_stats(event.stats)}
+                yield sse(chunk(meta, text, event.finish_reason, extension=extension))
+            if event.finish_reason is not None:
+                if include_usage:
+                    yield sse(usage_chunk(meta, make_usage(event.stats)))
+                break
     yield DONE
 
 
 async def collect(job: Job, request: Request) -> Finished | None:
     """Wait for the whole generation -> Finished, or None when the client disconnected first."""
     pieces: list[str] = []
+    try:
+        async with aclosing(job_events(job, DISCONNECT_POLL_S)) as events:
+            async for event in events:
+                if event is None:
+                    if await request.is_disconnected():
+                        return None
+                    continue
+                if isinstance(event, Failure):
+                    raise ApiError(event.status, event.message)
+                pieces += event.pieces
+                if event.finish_reason is not None:
+                    return Finished("".join(pieces), event.finish_reason, event.stats)
+    finally:
+        job.cancel()
+    return None
+
+
+async def job_events(job: Job, timeout: float) -> AsyncIterator[Chunk | Failure | None]:
+    """The job's events as they come, and None each time `timeout` seconds pass without one."""
     getter: asyncio.Future | None = None
     try:
         while True:
-            # One pending get() is kept across polls, so an event is never lost to a timeout.
+            # One pending get() is kept across timeouts, so an event is never lost to one.
             getter = getter or asyncio.ensure_future(job.events.get())
-            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+            done, _ = await asyncio.wait({getter}, timeout=timeout)
             if not done:
-                if await request.is_disconnected():
-                    return None
+                yield None
                 continue
-            event: Chunk | Failure = getter.result()
-            getter = None
-            if isinstance(event, Failure):
-                raise ApiError(event.status, event.message)
-            pieces += event.pieces
-            if event.finish_reason is not None:
-                return Finished("".join(pieces), event.finish_reason, event.stats)
+            event, getter = getter.result(), None
+            yield event
     finally:
         if getter is not None:
             getter.cancel()
-        job.cancel()

@@ -1,0 +1,74 @@
+"""Command-line arguments shared by `generate`, `serve` and `bench`, and what they build (a decoder, sampling
+settings). Its own module so every subcommand's CLI imports it, and `cli.py` imports the subcommands, without an
+import cycle."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_SHAPES
+from specdecode.config import SamplingParams
+from specdecode.drafters import DRAFTERS
+from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Model and drafter options shared by generate, serve and bench."""
+    p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for --method draft (same tokenizer)")
+    p.add_argument("--method", default="draft", choices=list(DRAFTERS), help="how tokens are drafted")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="draft tokens verified per step (default: chosen each step from what a verify forward "
+                        "costs on this machine, measured once and cached)")
+    p.add_argument("--draft-shape", default=None, choices=list(DRAFT_SHAPES),
+                   help="tree: several guesses per position, verified at once; chain: one guess per position "
+                        "(default: chain for draft, tree for ngram)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_weight_args(p)
+    p.add_argument("--max-len", type=int, default=8192, help="context window to allocate (tokens)")
+
+
+def add_weight_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default="auto", choices=["auto", "stored", "float"],
+                   help="stored: run a GGUF file's quantized blocks as they are (CPU kernel); float: de-quantize "
+                        "to --dtype (auto: stored for GGUF files on CPU)")
+    p.add_argument("--quantize", default="none", choices=["none", "q8_0", "q4_k", "int8", "int4"],
+                   help="write a float target's weights in blocks (int8 = q8_0, int4 = q4_k); the output is "
+                        "exact for that target")
+    p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "q8_0", "q4_k", "int8", "int4"],
+                   help="blocks for a float draft model: changes speed only, never the output "
+                        "(auto: a GGUF draft as stored, a float one in q8_0 on CPU)")
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_HEAD_SIZE, metavar="N",
+                   help="the draft model's LM head scores only the N most frequent tokens (cheaper drafts, same "
+                        "output); 0 = the whole vocabulary")
+    p.add_argument("--draft-vocab-corpus", action="append", metavar="FILE",
+                   help="jsonl text of your domain to count token frequencies on (repeatable; default: the "
+                        "instruction data shipped for the draft's vocabulary)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def decoder_kwargs(args: argparse.Namespace) -> dict:
+    """The model flags as SpecDecoder.load's keyword arguments."""
+    return dict(target=args.target, draft=args.draft, method=args.method, num_draft_tokens=args.num_draft_tokens,
+                dtype=args.dtype, device=args.device, max_len=args.max_len, quantize=args.quantize,
+                draft_quantize=args.draft_quantize, weights=args.weights, draft_shape=args.draft_shape,
+                draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus)
+
+
+def load_decoder(args: argparse.Namespace):
+    from specdecode.api import SpecDecoder
+
+    return SpecDecoder.load(**decoder_kwargs(args))
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, stop=list(getattr(args, "stop", None) or []))

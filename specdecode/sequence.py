@@ -1,0 +1,180 @@
+"""One request's decoding state, advanced one target forward at a time by an engine: `engine.Engine` runs one
+request, `batch.BatchEngine` many at once, through the same steps:
+
+    prefill_part() -> target forward -> prefilled()        the prompt, whole or in chunks; the first token
+    propose() [keep_best()] -> verify_part() -> target forward -> verified()        each decode step
+
+`verify_part` is [root, *draft] at explicit positions (a tree's nodes sit at their depth, under a mask that shows
+each node its ancestors only); `verified` runs the verifier, keeps the root and the accepted path in the cache (a
+chain's prefix by truncation, a tree's path moved into contiguous slots), lets the drafter commit, and cuts the
+emitted tokens at EOS or the token budget. Invariant between decode steps, asserted in the tests:
+    cache.length == len(tokens) - 1      (the last token is emitted but not yet fed)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.budget import CostCurve
+from specdecode.config import SamplingParams
+from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.kv_cache import KVCache
+from specdecode.masks import chain_mask, tree_mask
+from specdecode.model import Part
+from specdecode.sampling import make_generator, sample, to_probs
+from specdecode.stats import GenerationStats
+from specdecode.verify import verify_chain, verify_tree
+
+MAX_AUTO_NODES = 16  # the most draft tokens an automatic budget may verify (the measured cost curve's end)
+
+
+@dataclass(slots=True)
+class Step:
+    tokens: list[int]  # emitted by this step, after stop cuts
+    num_drafted: int
+    num_accepted: int  # the first num_accepted of `tokens` (or fewer, after a cut) came from the draft
+    finish_reason: str | None  # None, "stop" (EOS) or "length" (max_new_tokens or context)
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter, cache: KVCache,
+                 max_len: int, eos_token_ids: tuple[int, ...], num_draft_tokens: int | None,
+                 costs: CostCurve | None, device: torch.device) -> None:
+        """`num_draft_tokens` None = automatic (the engine cuts each draft with the cost curve `costs`)."""
+        self.tokens = list(prompt_ids)
+        self.params = params
+        self.drafter = drafter
+        self.cache = cache
+        self.max_len = max_len
+        self.num_draft_tokens = num_draft_tokens
+        self.costs = costs
+        self.device = device
+        self.eos = set() if params.ignore_eos else set(eos_token_ids)
+        self.generator = None if params.greedy else make_generator(params.seed, device)
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.stats.draft_budget = "auto" if self.auto else num_draft_tokens
+        self.stats.verify_costs = costs if self.auto else None
+        self.fed = 0  # prompt tokens in the cache so far
+        self.hidden: torch.Tensor | None = None  # target hidden states of the last step's emitted tokens
+        self.draft = Draft.empty(device)
+        self.proposed = False  # whether the drafter was asked this step (and so has something to commit)
+        self.draft_seconds = 0.0  # what proposing took this step
+        self.finish_reason: str | None = None
+        self.started = self.step_started = time.perf_counter()
+
+    @property
+    def auto(self) -> bool:
+        return self.num_draft_tokens is None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < self.stats.prompt_tokens
+
+    @property
+    def prompt_left(self) -> int:
+        return self.stats.prompt_tokens - self.fed
+
+    def prefill_part(self, max_rows: int | None = None) -> Part:
+        """The next prompt tokens to feed (all that are left, or at most `max_rows`)."""
+        n = self.prompt_left if max_rows is None else min(max_rows, self.prompt_left)
+        ids = torch.tensor(self.tokens[self.fed : self.fed + n], device=self.device)
+        positions = torch.arange(self.fed, self.fed + n, device=self.device)
+        return Part(ids, positions, self.cache, chain_mask(self.fed, n, self.device), logits_from=n - 1)
+
+    def prefilled(self, n: int, logits: torch.Tensor, hidden: torch.Tensor) -> Step | None:
+        """`n` prompt tokens went in (logits [1, vocab] of the last, hidden [n, d]); -> the first token's Step once
+        the whole prompt is in, else None."""
+        self.fed += n
+        self.cache.truncate(self.fed)  # the sampled first token becomes the root of the first decode step
+        if self.prefilling:
+            return None
+        probs = to_probs(logits[-1], self.params)
+        token = int(probs.argmax()) if self.params.greedy else int(sample(probs, self.generator))
+        self.hidden = hidden[-1:]
+        stats = self.stats
+        stats.ttft_s = time.perf_counter() - self.started
+        step = self._finish([token], 0, 0)
+        stats.new_tokens = len(step.tokens)
+        stats.wall_s = stats.ttft_s
+        return step
+
+    def propose(self, others_tokens: float = 0.0, others_rows: int = 0) -> Draft:
+        """Ask the drafter for this step's draft, cut to the room left in the cache and in the token budget.
+        In a batch, `others_*` are the tokens and rows the other requests put in the same forward."""
+        self.step_started = time.perf_counter()
+        # A budget larger than the room left is cut, never an error: nodes need cache slots, and a path longer
+        # than the tokens still to generate would be cut after verification.
+        budget = min(MAX_AUTO_NODES if self.auto else self.num_draft_tokens, self.max_len - len(self.tokens) - 1)
+        depth_room = self.params.max_new_tokens - self.stats.new_tokens - 1
+        ctx = DraftContext(self.tokens, self.params, self.generator, self.hidden, self.costs if self.auto else None,
+                           depth_room, others_tokens, others_rows)
+        self.proposed = budget > 0 and depth_room > 0
+        draft = self.drafter.propose(ctx, budget) if self.proposed else Draft.empty(self.device)
+        draft.check()
+        self.draft = draft.within_depth(depth_room)
+        self.draft_seconds = time.perf_counter() - self.step_started
+        return self.draft
+
+    def skip_draft(self) -> None:
+        """Decode this step without a draft (speculation does not pay now); the drafter catches up next time."""
+        self.step_started = time.perf_counter()
+        self.draft, self.proposed, self.draft_seconds = Draft.empty(self.device), False, 0.0
+
+    def keep_best(self, count: int) -> None:
+        self.draft = self.draft.best(count)
+
+    def verify_part(self) -> Part:
+        """[root, *draft]: a node's rotary position is its depth (a chain's: its index); it sees the prefix, the
+        root and its own ancestors."""
+        draft, device = self.draft, self.device
+        self._depths = draft.depths()  # [n], once: the positions and the statistics use it
+        start, n = self.cache.length, len(draft)
+        ids = torch.cat((torch.tensor([self.tokens[-1]], device=device), draft.tokens.to(device)))
+        positions = start + torch.cat((torch.zeros(1, dtype=torch.long, device=device), self._depths.to(device)))
+        mask = chain_mask(start, n + 1, device) if draft.is_chain else tree_mask(start, draft.parents.to(device))
+        return Part(ids, positions, self.cache, mask)
+
+    def verified(self, logits: torch.Tensor, hidden: torch.Tensor) -> Step:
+        """The target's logits [n + 1, vocab] and hidden states [n + 1, d] over verify_part's rows -> the Step."""
+        draft, device, params = self.draft, self.device, self.params
+        start = self.cache.length
+        if draft.is_chain:
+            verdict = verify_chain(logits, draft.tokens.to(device), draft.probs, params, self.generator)
+        else:
+            verdict = verify_tree(logits, draft.tokens.to(device), draft.parents.tolist(), draft.probs, params,
+                                  self.generator)
+        accepted = verdict.accepted_nodes
+        # Valid now: the root and the accepted nodes. The emitted last token is fed next step.
+        if accepted == list(range(len(accepted))):
+            self.cache.truncate(start + 1 + len(accepted))  # a prefix of the draft sits in place already
+        else:
+            self.cache.truncate(start + 1)
+            self.cache.keep(torch.tensor(accepted, device=device) + start + 1)
+        self.hidden = hidden[torch.tensor([0] + [node + 1 for node in accepted], device=hidden.device)]
+        if self.proposed:  # a drafter that was not asked has nothing to roll back or learn from
+            self.drafter.commit(draft.as_proposed(accepted), draft.origin)
+        step = self._finish(verdict.emitted.tolist(), len(draft), len(accepted))
+        now = time.perf_counter()
+        self.stats.record_step(len(draft), len(accepted), len(step.tokens), now - self.step_started,
+                               depth=int(self._depths.max()) if len(draft) else 0)
+        self.stats.wall_s = now - self.started
+        return step
+
+    def _finish(self, emitted: list[int], num_drafted: int, num_accepted: int) -> Step:
+        """Cut `emitted` at EOS or the token budget, append it to `tokens`, and say why generation ends."""
+        reason = None
+        for i, token in enumerate(emitted):
+            if token in self.eos:
+                emitted, reason = emitted[: i + 1], "stop"
+                break
+        room = self.params.max_new_tokens - (len(self.tokens) + len(emitted) - self.stats.prompt_tokens)
+        if room <= 0:
+            emitted, reason = emitted[: len(emitted) + room], reason or "length"
+        self.tokens.extend(emitted)
+        if reason is None and len(self.tokens) >= self.max_len:
+            reason = "length"
+        self.finish_reason = reason
+        return Step(emitted, num_drafted, min(num_accepted, len(emitted)), reason)

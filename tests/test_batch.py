@@ -1,0 +1,184 @@
+"""Continuous batching: a request's output does not depend on what it is batched with (greedy identity, seeded
+sampling reproducible), the output distribution is the target's with several requests in flight, drafts shrink
+under load, and the KV budget holds."""
+
+import itertools
+
+import pytest
+import torch
+
+import specdecode.batch as batch_module
+from specdecode.batch import BatchEngine
+from specdecode.budget import CostCurve
+from specdecode.config import SamplingParams
+from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specdecode.engine import Engine
+from specdecode.errors import SpecdecodeError
+from specdecode.kernels import cpu_kernels
+from specdecode.masks import chain_mask
+from specdecode.quantize import quantize_
+from tiny import tiny_native
+from toy import BigramModel, l1_bound, random_chain
+
+WIDE = dict(hidden_size=256, intermediate_size=512)
+CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))
+
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="row-exact batching needs the native CPU kernel")
+
+
+@pytest.fixture(scope="module")
+def target():
+    # Weights in blocks on the CPU kernel: each row is computed as if alone, whatever else is in the forward.
+    return quantize_(tiny_native("qwen2", seed=0, **WIDE), "q8_0")
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return quantize_(tiny_native("qwen2", seed=1, **WIDE), "q8_0")
+
+
+def cycle(*makers):
+    """A drafter factory that hands out each kind in turn: requests in one batch draft differently."""
+    it = itertools.cycle(makers)
+    return lambda: next(it)()
+
+
+def run_batch(engine: BatchEngine, requests, arrivals=None) -> list[list[int]]:
+    """Run requests (prompt, params) to the end; request i joins before step arrivals[i]. -> tokens of each."""
+    arrivals = arrivals or [0] * len(requests)
+    out: dict[int, list[int]] = {}
+    index = {}  # sequence -> request number (holding the sequence keeps its identity unique)
+    done = 0
+    step = 0
+    while done < len(requests):
+        for i, (prompt, params) in enumerate(requests):
+            if arrivals[i] == step:
+                index[engine.add(prompt, params)] = i
+        for seq, outcome in engine.step():
+            assert not isinstance(outcome, Exception), outcome
+            out.setdefault(index[seq], []).extend(outcome.tokens)
+            if outcome.finish_reason is None:
+                assert seq.cache.length == len(seq.tokens) - 1  # the engine's invariant holds in a batch too
+            else:
+                done += 1
+        step += 1
+        assert step < 2000
+    return [out[i] for i in range(len(requests))]
+
+
+PROMPTS = [[1, 2, 3, 4, 1, 2, 3], list(range(5, 45)), [7, 7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]]
+
+
+@needs_kernels
+@pytest.mark.parametrize("auto", [False, True])
+def test_greedy_output_is_the_same_batched_or_alone(target, draft, monkeypatch, auto):
+    """Four requests with different prompt lengths (one prefilled in chunks while others decode), drafters,
+    draft sizes and sampling settings, arriving at different steps: each greedy one equals itself run alone,
+    and equals the one-request engine."""
+    monkeypatch.setattr(batch_module, "PREFILL_ROWS_BUSY", 8)
+    costs = CPU_LIKE if auto else None
+    k = None if auto else 3
+    make = cycle(lambda: DraftModelDrafter(draft, vocab_size=64, width=2), NgramDrafter, NoDrafter,
+                 lambda: DraftModelDrafter(draft, vocab_size=64))
+    greedy = [SamplingParams(max_new_tokens=n) for n in (30, 25, 18, 33)]
+    mixed = list(zip(PROMPTS, greedy))
+    mixed[2] = (PROMPTS[2], SamplingParams(max_new_tokens=20, temperature=0.9, seed=5))  # sampled, in the batch
+    together = run_batch(BatchEngine(target, make, k, costs=costs), mixed, arrivals=[0, 1, 1, 4])
+    for i, (prompt, params) in enumerate(mixed):
+        alone = run_batch(BatchEngine(target, make, k, costs=costs), [(prompt, params)])[0]
+        assert together[i] == alone, i
+        if params.greedy:
+            plain = [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
+            assert together[i] == plain, i
+
+
+@needs_kernels
+def test_prefill_in_chunks_leaves_the_same_cache(target, monkeypatch):
+    monkeypatch.setattr(batch_module, "PREFILL_ROWS_IDLE", 7)
+    engine = BatchEngine(target, NoDrafter, 0)
+    seq = engine.add(PROMPTS[1], SamplingParams(max_new_tokens=2))
+    while seq.prefilling:
+        engine.step()
+    whole = target.new_cache(1, 64)
+    target(torch.tensor([PROMPTS[1]]), torch.arange(40)[None], whole, chain_mask(0, 40), decode=True)
+    assert torch.equal(seq.cache.k[:, :, :, :40], whole.k[:, :, :, :40])
+
+
+@pytest.mark.parametrize("drafter", ["ngram-tree", "draft-model-tree"])
+def test_sampled_outputs_with_a_seed_do_not_depend_on_the_batch(target, draft, drafter):
+    """With a fixed draft size a seeded request's random draws are its own: the same tokens in any company.
+    (An automatic size adapts to load and timing, so there only the distribution is fixed: the server drafts a
+    fixed size for seeded sampled requests.)"""
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=11)
+    requests = [(PROMPTS[0], params), (PROMPTS[3], params), (PROMPTS[1], SamplingParams(max_new_tokens=9))]
+    make = (lambda: NgramDrafter(branches=3)) if drafter == "ngram-tree" else \
+        (lambda: DraftModelDrafter(draft, vocab_size=64, width=2))
+    first = run_batch(BatchEngine(target, make, 3), requests)
+    again = run_batch(BatchEngine(target, make, 3), requests, arrivals=[0, 2, 1])
+    alone = run_batch(BatchEngine(target, make, 3), requests[1:2])
+    assert first == again and first[1] == alone[0]
+
+
+def exact_sequence_probs(chain: torch.Tensor, start: int, length: int, eos: int) -> dict[tuple, float]:
+    out: dict[tuple, float] = {}
+    for seq in itertools.product(range(chain.shape[0]), repeat=length):
+        if eos in seq:
+            seq = seq[: seq.index(eos) + 1]
+        prob, prev = 1.0, start
+        for tok in seq:
+            prob *= float(chain[prev, tok])
+            prev = tok
+        out[seq] = prob
+    return out
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_output_distribution_is_the_targets_with_requests_in_flight(auto):
+    """A Markov-chain target, draft-model trees and chains and n-gram drafts; four requests in every batch, each
+    with its own seed, joining at different steps; chi-by-L1 bound on the first request's outputs."""
+    vocab, eos, trials, length = 4, 3, 3000, 3
+    target_chain, draft_chain = random_chain(vocab, 10), random_chain(vocab, 11, sharpness=2.0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=length)
+    exact = exact_sequence_probs(target_chain, start=0, length=length, eos=eos)
+    target = BigramModel(target_chain, eos=(eos,))
+    draft = BigramModel(draft_chain)
+    make = cycle(lambda: DraftModelDrafter(draft, vocab_size=vocab, width=2), lambda: NgramDrafter(max_ngram=2),
+                 lambda: DraftModelDrafter(draft, vocab_size=vocab))
+    engine = BatchEngine(target, make, None if auto else 3, costs=CostCurve((1.0, 1.5, 2.0)) if auto else None)
+    counts: dict[tuple, int] = {}
+    for i in range(trials):
+        requests = [([0], SamplingParams(**{**params.__dict__, "seed": 4 * i + j})) for j in range(4)]
+        outs = run_batch(engine, requests, arrivals=[i % 2, 0, 1, 2])
+        for out in outs:
+            counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    total = sum(counts.values())
+    assert set(counts) <= set(exact)
+    l1 = sum(abs(counts.get(seq, 0) / total - p) for seq, p in exact.items())
+    assert l1 < l1_bound(len(exact), total), l1
+
+
+def test_drafting_turns_off_when_the_batch_is_large(target, draft):
+    """A draft model whose forward costs as much as a target forward: worth it for one request on a cost
+    curve that makes extra rows cheap, not for sixteen requests on a CPU-like slope."""
+    flat = CostCurve(tuple(1.0 + 0.001 * m for m in range(16)))
+    engine = BatchEngine(target, lambda: DraftModelDrafter(draft, vocab_size=64), None, costs=flat)
+    seqs = [engine.add(PROMPTS[0], SamplingParams(max_new_tokens=50)) for _ in range(16)]
+    engine.costs = CPU_LIKE
+    for seq in seqs:
+        seq.fed = seq.stats.prompt_tokens  # pretend prefilled: only the gate is under test
+        engine.outlook[seq].draft_s = 0.5  # half a one-token target forward per draft
+    assert engine._gate(seqs, 16, 0) == []
+    assert engine._gate(seqs[:1], 1, 0) == seqs[:1]
+    engine.outlook[seqs[0]].draft_s = 0.0  # an n-gram drafter costs nothing: always proposes
+    assert seqs[0] in engine._gate(seqs, 16, 0)
+
+
+def test_kv_budget_bounds_admission_and_refuses_what_never_fits(target):
+    engine = BatchEngine(target, NoDrafter, 0, max_len=256, max_running=4, kv_budget_tokens=200)
+    params = SamplingParams(max_new_tokens=50)
+    with pytest.raises(SpecdecodeError, match="KV budget is 200"):
+        engine.check(list(range(1, 60)), SamplingParams(max_new_tokens=150))
+    engine.add([1, 2, 3], params)  # reserves 3 + 50 + 17 = 70
+    engine.add([1, 2, 3], params)
+    assert not engine.can_admit(3, params)  # 140 + 70 > 200
+    assert engine.can_admit(3, SamplingParams(max_new_tokens=30))
