@@ -214,8 +214,16 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--malformed", type=float, default=0.0, help="chance of a malformed request before each")
     p.add_argument("--check-alone", action="store_true", help="every answer must equal the prompt served alone")
+    p.add_argument("--dataset", action="append", metavar="FILE",
+                   help="take the prompts (each row's first turn, sent as a user message) from a benchmark JSONL "
+                        "(repeatable; default: eight built-in questions)")
+    p.add_argument("--limit", type=int, default=8, help="rows per dataset")
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args()
+    if args.dataset:
+        from specdecode.bench.data import load_prompts
+
+        PROMPTS[:] = [row.turns[0] for row in load_prompts(args.dataset, args.limit)]
     proc = None
     if args.url:
         if (urlparse(args.url).hostname or "") not in ("127.0.0.1", "localhost", "::1"):
@@ -249,7 +257,7 @@ def main() -> int:
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"serve": None if args.url else args.serve, "levels": [
+            json.dump({"serve": None if args.url else args.serve, "datasets": args.dataset, "levels": [
                 {k: v for k, v in r.items() if not k.startswith("_")} for r in rows], "mismatches": mismatches}, f)
     bad = sum(r["errors"] + len(r["malformed_not_refused"]) for r in rows) + mismatches
     return 1 if bad else 0

@@ -30,7 +30,8 @@ import torch
 
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.lockstep import run_batched
 from specdecode.engine import check_prompt
 from specdecode.errors import SpecdecodeError
 from specdecode.model import Part, forward_parts
@@ -39,6 +40,7 @@ from specdecode.sequence import MAX_AUTO_NODES, Sequence, Step
 PREFILL_ROWS_BUSY = 64  # prompt rows per step while other requests decode (their inter-token latency)
 PREFILL_ROWS_IDLE = 512  # prompt rows per step when nobody decodes
 CHEAP_DRAFT = 0.02  # a drafter taking less than this share of the step always proposes (n-gram)
+CATCH_UP_STEPS = 8  # a draft model's catching up is paid back over at most this many steps of drafting
 PRIOR_WEIGHT = 4.0  # drafted steps the batch-wide estimates weigh, for a request that has few of its own
 
 
@@ -46,8 +48,9 @@ PRIOR_WEIGHT = 4.0  # drafted steps the batch-wide estimates weigh, for a reques
 class Outlook:
     """What drafting has been worth for one request: the gate's estimates."""
 
-    draft_s: float = 0.0  # seconds its drafter takes per step (running average)
+    draft_s: float | None = None  # seconds its drafter takes per step (running average); None = not known yet
     nodes: float = 4.0  # nodes it verifies per drafted step (running average)
+    steady: bool = False  # it drafted the step before too: no catching up in this step's drafting time
 
 
 @dataclass
@@ -76,8 +79,9 @@ class BatchEngine:
         self.running: list[Sequence] = []
         self.reserved: dict[Sequence, int] = {}
         self.outlook: dict[Sequence, Outlook] = {}
-        self.prior = Outlook()  # batch-wide running estimates
+        self.prior = Outlook()  # engine-wide running estimates (over every request so far)
         self.prior_gain = 1.0  # accepted tokens per drafted step, batch-wide
+        self._alone_factor = 1.0  # a batched drafter's share of the last draft forwards -> its time alone
         self.last = StepInfo()
         self.eos = tuple(target.config.eos_token_ids)
 
@@ -122,7 +126,7 @@ class BatchEngine:
                        self.target.device)
         self.running.append(seq)
         self.reserved[seq] = need
-        self.outlook[seq] = Outlook(self.prior.draft_s, self.prior.nodes)
+        self.outlook[seq] = Outlook(None, self.prior.nodes)
         return seq
 
     def remove(self, seq: Sequence) -> None:
@@ -194,16 +198,23 @@ class BatchEngine:
         costs, failed = self.costs, []
         auto = [s for s in decoding if s.auto]
         drafting = set(self._gate(auto, len(decoding), prefill_rows)) if auto else set()
+        asked: list[tuple[Sequence, int, object]] = []  # (request, budget, context) of those who draft
         for seq in decoding:
             seq.costs = costs  # as lowered by the forwards seen so far
-            try:
-                if seq.auto and seq not in drafting:
-                    seq.skip_draft()
-                else:
-                    seq.propose(len(decoding) - 1, len(decoding) - 1 + prefill_rows)
-            except Exception as e:  # noqa: BLE001 - see step()
-                failed.append((seq, e))
-        proposed = [s for s in auto if s in drafting and s.draft.scores and len(s.draft)]
+            # A drafter that skipped steps (or never drafted: a draft model's first call feeds it the prompt)
+            # first catches up; that one-off must not count as what drafting costs per step.
+            self.outlook[seq].steady = seq.proposed
+            if seq.auto and seq not in drafting:
+                seq.skip_draft()
+                continue
+            budget, ctx = seq.draft_request(len(decoding) - 1, len(decoding) - 1 + prefill_rows)
+            if seq.proposed:
+                asked.append((seq, budget, ctx))
+            else:
+                seq.proposed_draft(Draft.empty(self.target.device))
+        failed += self._propose_all(asked)
+        broken = {id(s) for s, _ in failed}
+        proposed = [s for s in auto if s in drafting and id(s) not in broken and s.draft.scores and len(s.draft)]
         if not proposed:
             return failed
         draft_seconds = sum(s.draft_seconds for s in proposed)  # one after another on this thread
@@ -211,7 +222,7 @@ class BatchEngine:
         ranked = sorted(((score, i, node) for i, s in enumerate(proposed) for node, score in enumerate(s.draft.scores)),
                         key=lambda t: (-t[0], t[1], t[2]))
         keep = costs.best_count([t[0] for t in ranked], draft_seconds, tokens=len(decoding),
-                                rows=len(decoding) + prefill_rows + fixed_rows)
+                                rows=len(decoding) + fixed_rows, sunk_rows=prefill_rows)
         counts = [0] * len(proposed)
         for _, i, _ in ranked[:keep]:
             counts[i] += 1
@@ -219,24 +230,95 @@ class BatchEngine:
             seq.keep_best(count)
         return failed
 
+    def _propose_all(self, asked: list[tuple[Sequence, int, object]]) -> list[tuple[Sequence, Exception]]:
+        """Every asked drafter proposes. Drafters written as generators (a draft model's) run together, their
+        forwards batched (drafters/lockstep.py); the others one after another. Each request is charged its
+        share of the time."""
+        failed, together = [], []
+        for seq, budget, ctx in asked:
+            if hasattr(seq.drafter, "drafting"):
+                together.append((seq, budget, ctx))
+                continue
+            began = time.perf_counter()
+            try:
+                seq.proposed_draft(seq.drafter.propose(ctx, budget))
+            except Exception as e:  # noqa: BLE001 - a drafter's bug must cost one request, not the batch
+                failed.append((seq, e))
+            seq.draft_seconds = time.perf_counter() - began  # its own time, not the others' before it
+        if not together:
+            return failed
+        began = time.perf_counter()
+        drafts = run_batched([(seq.drafter.drafting(ctx, budget), seq.drafter.model, seq.drafter)
+                              for seq, budget, ctx in together])
+        share = (time.perf_counter() - began) / len(together)
+        # What one of them would have taken alone (the gate's unit): the forwards' cost shared by k requests.
+        self._alone_factor = len(together) * self.costs.cost(1) / self.costs.cost(len(together)) \
+            if self.costs is not None else 1.0
+        for (seq, _, _), draft in zip(together, drafts):
+            if isinstance(draft, Exception):
+                failed.append((seq, draft))
+                continue
+            try:
+                seq.proposed_draft(draft)
+            except Exception as e:  # noqa: BLE001
+                failed.append((seq, e))
+                continue
+            seq.draft_seconds = share
+        return failed
+
     def _gate(self, auto: list[Sequence], decoding: int, prefill_rows: int) -> list[Sequence]:
-        """The automatic requests that draft this step: best value per second first, while each beats the
-        tokens per second the batch makes without it."""
+        """The automatic requests that draft this step. Cheap drafters (n-gram) always do: the node chooser
+        decides what their guesses are worth. Of the others, best value per second first, the number k that
+        maximises the batch's tokens per second: (decoding + their expected gains) / (C(decoding) + drafting time
+        + what their rows add to the forward). Draft-model forwards are batched (lockstep.py), so k of them draft
+        in about their one-request time times C(k) / C(1) (the target's curve standing in for the draft model's:
+        the same architecture, smaller). Until a drafter's cost per step is known (from any request of this
+        engine), one request at a time drafts to learn it: a draft model's first draft costs it the prompt,
+        which a full batch should not pay for every request."""
         costs = self.costs
-        rows = decoding + prefill_rows
-        tokens, seconds = float(decoding), costs.cost(rows)
-        chosen, candidates = [], []
+        rows = decoding + prefill_rows  # prompt rows are paid for anyway: drafting is weighed against decoding
+        base_seconds = costs.cost(decoding)
+        chosen, candidates, explorer = [], [], None
         for seq in auto:
             look, gain = self.outlook[seq], self._gain(seq)
-            n = max(1, round(look.nodes))
-            extra = look.draft_s + costs.cost(rows + n) - costs.cost(rows)
-            candidates.append((gain / max(extra, 1e-9), seq, gain, n, look.draft_s))
-        for value, seq, gain, n, draft_s in sorted(candidates, key=lambda c: -c[0]):
-            extra = draft_s + costs.cost(rows + n) - costs.cost(rows)
-            if draft_s <= CHEAP_DRAFT * seconds or gain / max(extra, 1e-9) > tokens / seconds:
+            draft_s = look.draft_s if look.draft_s is not None else self.prior.draft_s
+            if draft_s is None:
+                explorer = explorer or seq
+            elif draft_s <= CHEAP_DRAFT * base_seconds:
                 chosen.append(seq)
-                tokens, seconds, rows = tokens + gain, seconds + extra, rows + n
-        return chosen
+            else:
+                n, catch_up = max(1, round(look.nodes)), self._catch_up(seq, gain)
+                value = gain / (draft_s + catch_up + costs.cost(rows + n) - costs.cost(rows))
+                candidates.append((value, seq, gain, n, draft_s, catch_up, hasattr(seq.drafter, "drafting")))
+        if explorer is not None:
+            chosen.append(explorer)
+        candidates.sort(key=lambda c: -c[0])
+        best, best_rate = 0, decoding / base_seconds
+        tokens, nodes, alone_s, batched_s, batched, catch_ups = float(decoding), 0, 0.0, 0.0, 0, 0.0
+        for k, (_, _, gain, n, draft_s, catch_up, together) in enumerate(candidates, start=1):
+            tokens, nodes, catch_ups = tokens + gain, nodes + n, catch_ups + catch_up
+            if together:
+                batched, batched_s = batched + 1, batched_s + draft_s
+            else:
+                alone_s += draft_s
+            drafting = alone_s + catch_ups + (batched_s / batched * costs.cost(batched) / costs.cost(1)
+                                              if batched else 0.0)
+            rate = tokens / (base_seconds + drafting + costs.cost(rows + nodes) - costs.cost(rows))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return chosen + [c[1] for c in candidates[:best]]
+
+    def _catch_up(self, seq: Sequence, gain: float) -> float:
+        """A draft model that sat out steps (or never drafted) first feeds what it missed, one forward over those
+        rows (its cost taken as the target's curve scaled to the draft's one-row time), paid back over the steps
+        the request has left."""
+        drafter = seq.drafter
+        behind = drafter.behind(seq.tokens) if hasattr(drafter, "behind") else 0
+        if behind <= 2:  # the usual: the last token, maybe the last draft token
+            return 0.0
+        one_row = getattr(drafter, "forward_s", 0.0) or (self.prior.draft_s or 0.0) / 4
+        steps_left = (seq.params.max_new_tokens - seq.stats.new_tokens) / (1.0 + gain)
+        return one_row * self.costs.cost(behind) / self.costs.cost(1) / min(max(1.0, steps_left), CATCH_UP_STEPS)
 
     def _gain(self, seq: Sequence) -> float:
         """Expected accepted draft tokens per drafted step: the request's own record, leaning on the batch's."""
@@ -247,10 +329,14 @@ class BatchEngine:
         if not seq.proposed:
             return
         look, n = self.outlook[seq], len(seq.draft)
-        look.draft_s = 0.7 * look.draft_s + 0.3 * seq.draft_seconds if seq.stats.drafts > 1 else seq.draft_seconds
         look.nodes = 0.7 * look.nodes + 0.3 * n
-        self.prior.draft_s = 0.9 * self.prior.draft_s + 0.1 * seq.draft_seconds
         self.prior.nodes = 0.9 * self.prior.nodes + 0.1 * n
+        if look.steady:
+            seconds, prior = seq.draft_seconds, self.prior.draft_s
+            if hasattr(seq.drafter, "drafting"):
+                seconds *= self._alone_factor
+            look.draft_s = seconds if look.draft_s is None else 0.7 * look.draft_s + 0.3 * seconds
+            self.prior.draft_s = seconds if prior is None else 0.9 * prior + 0.1 * seconds
         if n:
             self.prior_gain = 0.95 * self.prior_gain + 0.05 * step.num_accepted
 

@@ -23,18 +23,30 @@ from pathlib import Path
 
 import torch
 
-MAX_MEASURED = 16  # tokens per forward measured; beyond that the curve is extrapolated linearly
+MAX_MEASURED = 16  # every size up to this is measured (a request's verify forward)
+# Sizes of a batch's forward (many requests, prompt chunks) measured beyond that; between them the curve is
+# linear. A CPU's cost per row grows past the first few dozen rows, so extrapolating from 16 would flatter them.
+BATCH_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)
 class CostCurve:
     seconds: tuple[float, ...]  # [m - 1]: one target forward over m tokens (after a short cached prefix)
+    tail: tuple[tuple[int, float], ...] = ()  # (m, seconds) for batch-sized forwards, m ascending
 
     def cost(self, m: int) -> float:
         if m <= len(self.seconds):
             return self.seconds[max(m, 1) - 1]
-        slope = self.seconds[-1] - self.seconds[-2] if len(self.seconds) > 1 else self.seconds[-1]
-        return self.seconds[-1] + slope * (m - len(self.seconds))
+        points = [(len(self.seconds), self.seconds[-1]), *self.tail]
+        if len(points) == 1 and len(self.seconds) > 1:
+            points.insert(0, (len(self.seconds) - 1, self.seconds[-2]))
+        for (m0, s0), (m1, s1) in zip(points, points[1:]):
+            if m <= m1:
+                return s0 + (s1 - s0) * (m - m0) / (m1 - m0)
+        if len(points) == 1:  # one measured size: proportional
+            return self.seconds[-1] * m
+        (m0, s0), (m1, s1) = points[-2], points[-1]
+        return s1 + (s1 - s0) / (m1 - m0) * (m - m1)
 
     def observe(self, m: int, seconds: float) -> CostCurve:
         """The curve after a verify forward over m tokens took `seconds` in use: a shared machine has slow spells,
@@ -42,27 +54,31 @@ class CostCurve:
         seen; a smaller size is never left dearer than a larger one."""
         if m > len(self.seconds) or seconds >= self.seconds[m - 1]:
             return self
-        return CostCurve(tuple(min(s, seconds) if j <= m else s for j, s in enumerate(self.seconds, start=1)))
+        return CostCurve(tuple(min(s, seconds) if j <= m else s for j, s in enumerate(self.seconds, start=1)),
+                         self.tail)
 
     def ratios(self) -> list[float]:
         """Cost relative to a one-token forward, for reports."""
         return [s / self.seconds[0] for s in self.seconds]
 
     def best_count(self, scores: list[float], draft_seconds: float = 0.0, tokens: float = 1.0,
-                   rows: int = 1) -> int:
+                   rows: int = 1, sunk_rows: int = 0) -> int:
         """How many of the nodes (scores sorted best first) to verify: argmax (1 + sum) / (D + C(n + 1)).
         In a batch the forward also carries `rows` other rows that yield `tokens` tokens without any draft (a
-        request's root each, prompt chunks nothing): argmax (tokens + sum) / (D + C(rows + n))."""
+        request's root each), and `sunk_rows` of prompt chunks, paid for whatever is drafted: the nodes then
+        cost what they add at that size, C(all + n) - C(all), on top of C(rows)."""
+        every = rows + sunk_rows
         best, best_rate, expected = 0, tokens / (draft_seconds + self.cost(rows)), tokens
         for n, score in enumerate(scores, start=1):
             expected += score
-            rate = expected / (draft_seconds + self.cost(rows + n))
+            rate = expected / (draft_seconds + self.cost(rows) + self.cost(every + n) - self.cost(every))
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
 
     def to_dict(self) -> dict:
-        return {"seconds": list(self.seconds), "ratio_to_one_token": [round(r, 3) for r in self.ratios()]}
+        return {"seconds": list(self.seconds), "ratio_to_one_token": [round(r, 3) for r in self.ratios()],
+                "batch_sizes": [[m, s] for m, s in self.tail]}
 
 
 def machine_key() -> str:
@@ -78,38 +94,40 @@ def machine_key() -> str:
 def curve_path(model_key: str, cache: Path | None = None) -> Path:
     from specdecode.hub import cache_dir
 
-    digest = hashlib.sha256(f"{model_key}\n{machine_key()}".encode()).hexdigest()[:16]
+    # v2: with batch sizes; older files are measured again
+    digest = hashlib.sha256(f"v2\n{model_key}\n{machine_key()}".encode()).hexdigest()[:16]
     return (cache or cache_dir()) / "cost-curves" / f"{digest}.json"
 
 
 @torch.inference_mode()
 def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int = 128,
-            repeats: int = 5) -> CostCurve:
-    """Seconds of a decode-mode target forward over 1..max_tokens tokens after `prefix` cached tokens (the
-    verify forward the engine runs; attention over a short prefix is a small share). Sizes take turns, so a
-    slow spell of a shared machine hits them all; each keeps its fastest run, and a larger forward is never
-    recorded as cheaper than a smaller one."""
+            repeats: int = 5, batch_sizes: tuple[int, ...] = BATCH_SIZES) -> CostCurve:
+    """Seconds of a decode-mode target forward over 1..max_tokens tokens, then over each of `batch_sizes`, after
+    `prefix` cached tokens (the verify forward the engine runs; attention over a short prefix is a small share).
+    Sizes take turns, so a slow spell of a shared machine hits them all; each keeps its fastest run, and a
+    larger forward is never recorded as cheaper than a smaller one."""
     from specdecode.masks import chain_mask
 
     device = target.device
     vocab = target.config.vocab_size
-    cache = target.new_cache(1, prefix + max_tokens)
-    ids = torch.arange(prefix + max_tokens, device=device)[None] * 7919 % vocab  # any tokens: cost is data-blind
+    sizes = [*range(1, max_tokens + 1), *(m for m in batch_sizes if m > max_tokens)]
+    cache = target.new_cache(1, prefix + sizes[-1])
+    ids = torch.arange(prefix + sizes[-1], device=device)[None] * 7919 % vocab  # any tokens: cost is data-blind
     target(ids[:, :prefix], torch.arange(prefix, device=device)[None], cache, chain_mask(0, prefix, device),
            logits_from=prefix - 1)
-    best = [float("inf")] * max_tokens
+    best = [float("inf")] * len(sizes)
     for _ in range(repeats):
-        for m in range(1, max_tokens + 1):
+        for j, m in enumerate(sizes):
             cache.truncate(prefix)
             start = time.perf_counter()
             target(ids[:, prefix : prefix + m], torch.arange(prefix, prefix + m, device=device)[None], cache,
                    chain_mask(prefix, m, device), decode=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            best[m - 1] = min(best[m - 1], time.perf_counter() - start)
-    for m in range(1, max_tokens):
-        best[m] = max(best[m], best[m - 1])
-    return CostCurve(tuple(best))
+            best[j] = min(best[j], time.perf_counter() - start)
+    for j in range(1, len(sizes)):
+        best[j] = max(best[j], best[j - 1])
+    return CostCurve(tuple(best[:max_tokens]), tuple(zip(sizes[max_tokens:], best[max_tokens:])))
 
 
 def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None = None) -> CostCurve:
@@ -117,9 +135,11 @@ def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None 
     path = curve_path(model_key, cache)
     if path.exists():
         try:
-            seconds = tuple(float(x) for x in json.loads(path.read_text())["seconds"])
+            saved = json.loads(path.read_text())
+            seconds = tuple(float(x) for x in saved["seconds"])
+            tail = tuple((int(m), float(s)) for m, s in saved["batch_sizes"])
             if seconds:
-                return CostCurve(seconds)
+                return CostCurve(seconds, tail)
         except (ValueError, KeyError, TypeError):
             pass  # a damaged file is measured again
     print("specdecode: measuring what a verify forward costs on this machine (once, a few seconds)...",

@@ -115,6 +115,7 @@ class Part:
     cache: KVCache  # batch 1
     attn_mask: torch.Tensor  # [1, 1, t, S] bool
     logits_from: int = 0  # logits only for rows [logits_from, t)
+    decode: bool = True  # rows computed as one-token forwards would (a prompt may go faster without)
 
 
 def row_slots(attn_mask: torch.Tensor) -> RowSlots:

@@ -104,6 +104,11 @@ class Sequence:
     def propose(self, others_tokens: float = 0.0, others_rows: int = 0) -> Draft:
         """Ask the drafter for this step's draft, cut to the room left in the cache and in the token budget.
         In a batch, `others_*` are the tokens and rows the other requests put in the same forward."""
+        budget, ctx = self.draft_request(others_tokens, others_rows)
+        return self.proposed_draft(self.drafter.propose(ctx, budget) if self.proposed else Draft.empty(self.device))
+
+    def draft_request(self, others_tokens: float = 0.0, others_rows: int = 0) -> tuple[int, DraftContext]:
+        """Start a step: (how many nodes the drafter may propose, what it sees); `proposed` says whether to ask."""
         self.step_started = time.perf_counter()
         # A budget larger than the room left is cut, never an error: nodes need cache slots, and a path longer
         # than the tokens still to generate would be cut after verification.
@@ -112,9 +117,12 @@ class Sequence:
         ctx = DraftContext(self.tokens, self.params, self.generator, self.hidden, self.costs if self.auto else None,
                            depth_room, others_tokens, others_rows)
         self.proposed = budget > 0 and depth_room > 0
-        draft = self.drafter.propose(ctx, budget) if self.proposed else Draft.empty(self.device)
+        return budget, ctx
+
+    def proposed_draft(self, draft: Draft) -> Draft:
+        """The drafter's answer to draft_request -> this step's draft."""
         draft.check()
-        self.draft = draft.within_depth(depth_room)
+        self.draft = draft.within_depth(self.params.max_new_tokens - self.stats.new_tokens - 1)
         self.draft_seconds = time.perf_counter() - self.step_started
         return self.draft
 

@@ -18,7 +18,7 @@ from specdecode.kernels import cpu_kernels
 from specdecode.masks import chain_mask
 from specdecode.quantize import quantize_
 from tiny import tiny_native
-from toy import BigramModel, l1_bound, random_chain
+from toy import BigramModel, exact_sequence_probs, l1_bound, random_chain
 
 WIDE = dict(hidden_size=256, intermediate_size=512)
 CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))
@@ -119,19 +119,6 @@ def test_sampled_outputs_with_a_seed_do_not_depend_on_the_batch(target, draft, d
     assert first == again and first[1] == alone[0]
 
 
-def exact_sequence_probs(chain: torch.Tensor, start: int, length: int, eos: int) -> dict[tuple, float]:
-    out: dict[tuple, float] = {}
-    for seq in itertools.product(range(chain.shape[0]), repeat=length):
-        if eos in seq:
-            seq = seq[: seq.index(eos) + 1]
-        prob, prev = 1.0, start
-        for tok in seq:
-            prob *= float(chain[prev, tok])
-            prev = tok
-        out[seq] = prob
-    return out
-
-
 @pytest.mark.parametrize("auto", [False, True])
 def test_output_distribution_is_the_targets_with_requests_in_flight(auto):
     """A Markov-chain target, draft-model trees and chains and n-gram drafts; four requests in every batch, each
@@ -182,3 +169,35 @@ def test_kv_budget_bounds_admission_and_refuses_what_never_fits(target):
     engine.add([1, 2, 3], params)
     assert not engine.can_admit(3, params)  # 140 + 70 > 200
     assert engine.can_admit(3, SamplingParams(max_new_tokens=30))
+
+
+@needs_kernels
+def test_draft_model_forwards_are_batched_across_requests_and_draft_the_same(target, draft, monkeypatch):
+    """Four requests' draft models run one forward per depth together; each request's drafts (and so its
+    acceptance) equal those it drafts alone."""
+    calls: list[int] = []
+    batched = draft.forward_parts
+
+    def counting(parts, decode=True):
+        calls.append(len(parts))
+        return batched(parts, decode)
+
+    monkeypatch.setattr(draft, "forward_parts", counting)
+    make = lambda: DraftModelDrafter(draft, vocab_size=64, width=2)
+    requests = [(prompt, SamplingParams(max_new_tokens=20)) for prompt in PROMPTS]
+    engine = BatchEngine(target, make, 3)
+    together, stats = [], []
+    index = {engine.add(p, params): i for i, (p, params) in enumerate(requests)}
+    out: dict[int, list[int]] = {}
+    while engine.running:
+        for seq, step in engine.step():
+            out.setdefault(index[seq], []).extend(step.tokens)
+            if step.finish_reason:
+                stats.append((index[seq], seq.stats.drafted_tokens, seq.stats.accepted_tokens))
+    assert max(calls) == 4  # one draft forward served all four requests
+    for i, drafted, accepted in stats:
+        alone = BatchEngine(target, make, 3)
+        seq = alone.add(*requests[i])
+        while alone.running:
+            alone.step()
+        assert (seq.stats.drafted_tokens, seq.stats.accepted_tokens) == (drafted, accepted), i

@@ -47,3 +47,12 @@ def test_measure_is_monotone_and_cached(tmp_path, monkeypatch):
     path = budget.curve_path("tiny", tmp_path)
     path.write_text("{damaged")
     assert len(budget.load_or_measure(model, "tiny", cache=tmp_path).seconds) == 4  # measured again, no crash
+
+
+def test_batch_sizes_beyond_the_measured_run_interpolate_between_measured_points():
+    curve = CostCurve((1.0, 1.1, 1.2), tail=((8, 2.0), (16, 5.0)))
+    assert curve.cost(3) == 1.2 and curve.cost(8) == 2.0
+    assert curve.cost(12) == pytest.approx(3.5)  # halfway between 8 and 16
+    assert curve.cost(24) == pytest.approx(8.0)  # past the last point: its slope
+    assert curve.observe(2, 0.5).tail == curve.tail  # use lowers the measured run only
+    assert curve.to_dict()["batch_sizes"] == [[8, 2.0], [16, 5.0]]

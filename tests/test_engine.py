@@ -1,7 +1,5 @@
 """The whole loop: greedy identity for every drafter, cache invariants, and exact output distributions."""
 
-import itertools
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from specdecode.engine import Engine
 from specdecode.masks import chain_mask
 from tiny import tiny_native
 from specdecode.budget import CostCurve
-from toy import BigramModel, ScriptedDrafter, ScriptedTreeDrafter, l1_bound, random_chain
+from toy import BigramModel, ScriptedDrafter, ScriptedTreeDrafter, exact_sequence_probs, l1_bound, random_chain
 
 CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))  # C(8) = 1.56 C(1), as measured on a 2-core CPU
 
@@ -140,21 +138,6 @@ def test_sampling_with_seed_is_reproducible(target):
     params = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=123)
     engine = Engine(target, DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64))
     assert run(engine, PROMPT, params) == run(engine, PROMPT, params)
-
-
-def exact_sequence_probs(chain: torch.Tensor, start: int, length: int, eos: int) -> dict[tuple, float]:
-    """Probability of every output (cut after EOS or at `length` tokens) of a Markov chain."""
-    out: dict[tuple, float] = {}
-    vocab = chain.shape[0]
-    for seq in itertools.product(range(vocab), repeat=length):
-        if eos in seq:
-            seq = seq[: seq.index(eos) + 1]
-        prob, prev = 1.0, start
-        for tok in seq:
-            prob *= float(chain[prev, tok])
-            prev = tok
-        out[seq] = prob  # sequences cut at EOS repeat; their probability is the same each time
-    return out
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree", "ngram-tree", "subset-head-tree", "chain-auto", "tree-auto"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -87,3 +88,18 @@ class ScriptedTreeDrafter:
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         self.paths.append(list(accepted))
+
+
+def exact_sequence_probs(chain: torch.Tensor, start: int, length: int, eos: int) -> dict[tuple, float]:
+    """Probability of every output (cut after EOS or at `length` tokens) of a Markov chain."""
+    out: dict[tuple, float] = {}
+    vocab = chain.shape[0]
+    for seq in itertools.product(range(vocab), repeat=length):
+        if eos in seq:
+            seq = seq[: seq.index(eos) + 1]
+        prob, prev = 1.0, start
+        for tok in seq:
+            prob *= float(chain[prev, tok])
+            prev = tok
+        out[seq] = prob  # sequences cut at EOS repeat; their probability is the same each time
+    return out

@@ -24,12 +24,15 @@ what the verifier's multi-round rule needs (verify.py). Under greedy, children a
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext
+from specdecode.drafters.lockstep import run_alone
 from specdecode.masks import chain_mask
+from specdecode.model import Part
 from specdecode.sampling import to_probs
 
 TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
@@ -82,6 +85,12 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        return run_alone(self.drafting(ctx, max_tokens), self.model, self)
+
+    def drafting(self, ctx: DraftContext, max_tokens: int) -> Generator[Part, torch.Tensor, Draft]:
+        """`propose` as a generator: it yields each draft forward it needs (a Part over this drafter's cache), is
+        sent that forward's logits, and returns the Draft. One request alone runs it with `run_alone`; the batch
+        engine runs every request's at once, their forwards batched into one (`run_batched`)."""
         if max_tokens <= 0:
             return Draft.empty()
         started = time.perf_counter()
@@ -91,9 +100,9 @@ class DraftModelDrafter:
             # Each position computed as the target computes it: the prompt batched (its prefill), every later
             # token as a one-row decode. With 8-bit activations a last-bit difference can flip a rounding, and a
             # draft that rounds like the target guesses more of its near-ties right.
-            self._feed(pending[:-1], decode=False)
+            yield self._chain_part(pending[:-1], decode=False)
             pending = pending[-1:]
-        logits = self._feed(pending)  # [1, vocab] after the root
+        logits = yield self._chain_part(pending)  # [1, vocab] after the root
         self.base_length = self.cache.length
         nodes: list[Node] = []
         dists: list[torch.Tensor] = []  # the distributions children were drawn from (sampling only)
@@ -107,9 +116,17 @@ class DraftModelDrafter:
             expand = sorted(newest, key=lambda i: -nodes[i].score)[: self.expand]
             if not self._worth_growing(nodes, nodes[expand[0]], ctx, max_tokens, started):
                 break
-            logits = self._feed_nodes(expand, nodes)
+            logits = yield self._nodes_part(expand, nodes)
             parents_of_row = expand
         return self._draft(nodes, dists, ctx, max_tokens)
+
+    def behind(self, tokens: list[int]) -> int:
+        """Tokens its cache lacks: what the next draft first feeds (the prompt, or steps it sat out)."""
+        return len(tokens) - (self.cache.length if self.cache is not None else 0)
+
+    def forward_took(self, seconds: float) -> None:
+        """A decode forward of this drafter took `seconds` (its share, when batched with other requests')."""
+        self.forward_s = seconds if self.forward_s == 0 else 0.8 * self.forward_s + 0.2 * seconds
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Accepted nodes that were fed stay, moved behind the agreed prefix; a node never fed (a leaf) ends them.
@@ -209,7 +226,7 @@ class DraftModelDrafter:
             probs = rows
         return Draft(tokens, parents, probs, [n.score for n in kept])
 
-    def _feed_nodes(self, expand: list[int], nodes: list[Node]) -> torch.Tensor:
+    def _nodes_part(self, expand: list[int], nodes: list[Node]) -> Part:
         """One draft forward over the nodes `expand` (one depth), each seeing the prefix and its ancestors."""
         start, count = self.cache.length, len(expand)
         mask = torch.zeros(1, 1, count, start + count, dtype=torch.bool, device=self.model.device)
@@ -220,27 +237,16 @@ class DraftModelDrafter:
             while ancestor >= 0:
                 mask[0, 0, row, nodes[ancestor].slot] = True
                 ancestor = nodes[ancestor].parent
-        positions = torch.tensor([[self.base_length - 1 + nodes[i].depth for i in expand]], device=self.model.device)
-        ids = torch.tensor([[nodes[i].token for i in expand]], device=self.model.device)
-        return self._forward(ids, positions, mask, decode=True)
+        positions = torch.tensor([self.base_length - 1 + nodes[i].depth for i in expand], device=self.model.device)
+        ids = torch.tensor([nodes[i].token for i in expand], device=self.model.device)
+        return Part(ids, positions, self.cache, mask)
 
-    def _feed(self, tokens: list[int], decode: bool = True) -> torch.Tensor:
-        """Feed a chain of tokens at the next cache positions; -> the last one's logits [1, vocab]."""
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).view(1, -1)  # [1, T]
-        start, count = self.cache.length, ids.shape[1]
-        positions = torch.arange(start, start + count, device=ids.device)[None]
-        return self._forward(ids, positions, chain_mask(start, count, ids.device), decode, logits_from=count - 1)
-
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, decode: bool,
-                 logits_from: int = 0) -> torch.Tensor:
-        start, count = self.cache.length, ids.shape[1]
-        began = time.perf_counter()
-        logits, _ = self.model(ids, positions, self.cache, mask, logits_from=logits_from, decode=decode)
-        self.cache.truncate(start + count)
-        if decode:
-            seconds = time.perf_counter() - began
-            self.forward_s = seconds if self.forward_s == 0 else 0.8 * self.forward_s + 0.2 * seconds
-        return logits[0]
+    def _chain_part(self, tokens: list[int], decode: bool = True) -> Part:
+        """A chain of tokens at the next cache positions; the logits of the last one."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device)  # [T]
+        start, count = self.cache.length, ids.numel()
+        positions = torch.arange(start, start + count, device=ids.device)
+        return Part(ids, positions, self.cache, chain_mask(start, count, ids.device), count - 1, decode)
 
     def _draft_space(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft logits [R, size] -> (logits over the tokens it may propose, their vocabulary ids or None when
