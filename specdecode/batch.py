@@ -41,7 +41,11 @@ PREFILL_ROWS_BUSY = 64  # prompt rows per step while other requests decode (thei
 PREFILL_ROWS_IDLE = 512  # prompt rows per step when nobody decodes
 CHEAP_DRAFT = 0.02  # a drafter taking less than this share of the step always proposes (n-gram)
 CATCH_UP_STEPS = 8  # a draft model's catching up is paid back over at most this many steps of drafting
-PRIOR_WEIGHT = 4.0  # drafted steps the batch-wide estimates weigh, for a request that has few of its own
+PRIOR_WEIGHT = 4.0
+# A request kept from drafting tries again after this many steps: its estimates would otherwise never change
+# (one such request per step at most, so a full batch pays little for it).
+EXPLORE_EVERY = 16
+EXPLORE_BATCH = 2  # only in batches this small: in larger ones a draft model's retry (catching up) costs everyone  # drafted steps the batch-wide estimates weigh, for a request that has few of its own
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Outlook:
     draft_s: float | None = None  # seconds its drafter takes per step (running average); None = not known yet
     nodes: float = 4.0  # nodes it verifies per drafted step (running average)
     steady: bool = False  # it drafted the step before too: no catching up in this step's drafting time
+    idle: int = 0  # steps since it last drafted
 
 
 @dataclass
@@ -80,7 +85,7 @@ class BatchEngine:
         self.reserved: dict[Sequence, int] = {}
         self.outlook: dict[Sequence, Outlook] = {}
         self.prior = Outlook()  # engine-wide running estimates (over every request so far)
-        self.prior_gain = 1.0  # accepted tokens per drafted step, batch-wide
+        self.prior_gain = 2.0  # accepted tokens per drafted step, batch-wide (hopeful until measured)
         self._alone_factor = 1.0  # a batched drafter's share of the last draft forwards -> its time alone
         self.last = StepInfo()
         self.eos = tuple(target.config.eos_token_ids)
@@ -203,10 +208,13 @@ class BatchEngine:
             seq.costs = costs  # as lowered by the forwards seen so far
             # A drafter that skipped steps (or never drafted: a draft model's first call feeds it the prompt)
             # first catches up; that one-off must not count as what drafting costs per step.
-            self.outlook[seq].steady = seq.proposed
+            look = self.outlook[seq]
+            look.steady = seq.proposed
             if seq.auto and seq not in drafting:
+                look.idle += 1
                 seq.skip_draft()
                 continue
+            look.idle = 0
             budget, ctx = seq.draft_request(len(decoding) - 1, len(decoding) - 1 + prefill_rows)
             if seq.proposed:
                 asked.append((seq, budget, ctx))
@@ -306,7 +314,11 @@ class BatchEngine:
             rate = tokens / (base_seconds + drafting + costs.cost(rows + nodes) - costs.cost(rows))
             if rate > best_rate:
                 best, best_rate = k, rate
-        return chosen + [c[1] for c in candidates[:best]]
+        chosen += [c[1] for c in candidates[:best]]
+        stale = [c[1] for c in candidates[best:] if self.outlook[c[1]].idle >= EXPLORE_EVERY]
+        if stale and explorer is None and decoding <= EXPLORE_BATCH:
+            chosen.append(max(stale, key=lambda s: self.outlook[s].idle))
+        return chosen
 
     def _catch_up(self, seq: Sequence, gain: float) -> float:
         """A draft model that sat out steps (or never drafted) first feeds what it missed, one forward over those
@@ -338,7 +350,7 @@ class BatchEngine:
             look.draft_s = seconds if look.draft_s is None else 0.7 * look.draft_s + 0.3 * seconds
             self.prior.draft_s = seconds if prior is None else 0.9 * prior + 0.1 * seconds
         if n:
-            self.prior_gain = 0.95 * self.prior_gain + 0.05 * step.num_accepted
+            self.prior_gain = 0.9 * self.prior_gain + 0.1 * step.num_accepted
 
     def _ensure_slots(self, seq: Sequence, needed: int) -> None:
         cache = seq.cache
