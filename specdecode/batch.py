@@ -30,8 +30,8 @@ import torch
 
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
-from specdecode.drafters.base import Draft, Drafter
-from specdecode.drafters.lockstep import run_batched
+from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.lockstep import batches_forwards, run_batched
 from specdecode.engine import check_prompt
 from specdecode.errors import SpecdecodeError
 from specdecode.model import Part, forward_parts
@@ -41,11 +41,11 @@ PREFILL_ROWS_BUSY = 64  # prompt rows per step while other requests decode (thei
 PREFILL_ROWS_IDLE = 512  # prompt rows per step when nobody decodes
 CHEAP_DRAFT = 0.02  # a drafter taking less than this share of the step always proposes (n-gram)
 CATCH_UP_STEPS = 8  # a draft model's catching up is paid back over at most this many steps of drafting
-PRIOR_WEIGHT = 4.0
+PRIOR_WEIGHT = 4.0  # drafted steps the batch-wide estimates weigh, for a request that has few of its own
 # A request kept from drafting tries again after this many steps: its estimates would otherwise never change
 # (one such request per step at most, so a full batch pays little for it).
 EXPLORE_EVERY = 16
-EXPLORE_BATCH = 2  # only in batches this small: in larger ones a draft model's retry (catching up) costs everyone  # drafted steps the batch-wide estimates weigh, for a request that has few of its own
+EXPLORE_BATCH = 2  # only in batches this small: in larger ones a draft model's retry (catching up) costs everyone
 
 
 @dataclass
@@ -112,23 +112,25 @@ class BatchEngine:
             raise SpecdecodeError(f"the request needs {need} KV cache slots (prompt + max_tokens + a draft) but "
                                   f"the server's KV budget is {self.kv_budget_tokens}: lower max_tokens or "
                                   "shorten the prompt")
-        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        if k is None and self.costs is None:
+        if self._draft_size(num_draft_tokens) is None and self.costs is None:
             raise SpecdecodeError("an automatic draft size needs the verify cost curve: give num_draft_tokens")
+
+    def _draft_size(self, num_draft_tokens: int | None) -> int | None:
+        """The request's draft size: its own, else the engine's (None = automatic)."""
+        return self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
 
     def add(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> Sequence:
         """Start a request; it joins the next step. Check `can_admit` first (this raises when it cannot)."""
         self.check(prompt_ids, params, num_draft_tokens)
         if not self.can_admit(len(prompt_ids), params):
             raise SpecdecodeError("the batch is full: wait for a running request to finish")
-        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         need = self.reservation(len(prompt_ids), params)
         # Slots are reserved in full but allocated as they fill: most answers end long before max_tokens.
         cache = self.target.new_cache(1, min(need, max(len(prompt_ids) + MAX_AUTO_NODES + 1, 256)))
         drafter = self.make_drafter()
         drafter.reset()
-        seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos, k, self.costs,
-                       self.target.device)
+        seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos,
+                       self._draft_size(num_draft_tokens), self.costs, self.target.device)
         self.running.append(seq)
         self.reserved[seq] = need
         self.outlook[seq] = Outlook(None, self.prior.nodes)
@@ -147,7 +149,6 @@ class BatchEngine:
         """One target forward for every running request -> the Steps of those that emitted tokens (a request
         still prefilling emits nothing), or the exception that ended one. Finished requests are removed."""
         decoding = [s for s in self.running if not s.prefilling]
-        failed: list[tuple[Sequence, Exception]] = []
         parts: list[Part] = []
         owners: list[Sequence] = []
         room = PREFILL_ROWS_BUSY if decoding else PREFILL_ROWS_IDLE
@@ -159,21 +160,21 @@ class BatchEngine:
                 owners.append(seq)
                 room -= n
         prefill_rows = sum(p.tokens.numel() for p in parts)
-        failed += self._draft(decoding, prefill_rows)
+        failed = self._draft(decoding, prefill_rows)
+        broken = {id(seq) for seq, _ in failed}
+        decoding = [seq for seq in decoding if id(seq) not in broken]
         for seq in decoding:
-            if any(seq is f for f, _ in failed):
-                continue
             self._ensure_slots(seq, seq.cache.length + len(seq.draft) + 1)
             parts.append(seq.verify_part())
             owners.append(seq)
+        results: list[tuple[Sequence, Step | Exception]] = list(failed)
         if not parts:
-            return self._finish(failed, [])
+            return self._finish(results)
         began = time.perf_counter()
-        outputs = forward_parts(self.target, parts, decode=True)
+        outputs = forward_parts(self.target, parts)  # every part in decode mode: rows as if alone
         rows = sum(p.tokens.numel() for p in parts)
         if self.costs is not None and self.target.device.type == "cpu":
             self.costs = self.costs.observe(rows, time.perf_counter() - began)
-        results: list[tuple[Sequence, Step | Exception]] = []
         for seq, part, (logits, hidden) in zip(owners, parts, outputs):
             try:
                 if seq.prefilling:
@@ -186,13 +187,11 @@ class BatchEngine:
                 continue
             if step is not None:
                 results.append((seq, step))
-        self.last = StepInfo(len(owners), rows, prefill_rows,
-                             [len(s.draft) for s in decoding if not any(s is f for f, _ in failed)])
-        return self._finish(failed, results)
+        self.last = StepInfo(len(owners), rows, prefill_rows, [len(s.draft) for s in decoding])
+        return self._finish(results)
 
-    def _finish(self, failed: list[tuple[Sequence, Exception]],
-                results: list[tuple[Sequence, Step | Exception]]) -> list[tuple[Sequence, Step | Exception]]:
-        results = list(failed) + results
+    def _finish(self, results: list[tuple[Sequence, Step | Exception]]) -> list[tuple[Sequence, Step | Exception]]:
+        """Remove the requests that ended (finished or failed) -> `results`."""
         for seq, outcome in results:
             if isinstance(outcome, Exception) or outcome.finish_reason is not None:
                 self.remove(seq)
@@ -203,7 +202,7 @@ class BatchEngine:
         costs, failed = self.costs, []
         auto = [s for s in decoding if s.auto]
         drafting = set(self._gate(auto, len(decoding), prefill_rows)) if auto else set()
-        asked: list[tuple[Sequence, int, object]] = []  # (request, budget, context) of those who draft
+        asked: list[tuple[Sequence, int, DraftContext]] = []  # (request, budget, context) of those who draft
         for seq in decoding:
             seq.costs = costs  # as lowered by the forwards seen so far
             # A drafter that skipped steps (or never drafted: a draft model's first call feeds it the prompt)
@@ -238,13 +237,13 @@ class BatchEngine:
             seq.keep_best(count)
         return failed
 
-    def _propose_all(self, asked: list[tuple[Sequence, int, object]]) -> list[tuple[Sequence, Exception]]:
+    def _propose_all(self, asked: list[tuple[Sequence, int, DraftContext]]) -> list[tuple[Sequence, Exception]]:
         """Every asked drafter proposes. Drafters written as generators (a draft model's) run together, their
         forwards batched (drafters/lockstep.py); the others one after another. Each request is charged its
         share of the time."""
         failed, together = [], []
         for seq, budget, ctx in asked:
-            if hasattr(seq.drafter, "drafting"):
+            if batches_forwards(seq.drafter):
                 together.append((seq, budget, ctx))
                 continue
             began = time.perf_counter()
@@ -297,7 +296,7 @@ class BatchEngine:
             else:
                 n, catch_up = max(1, round(look.nodes)), self._catch_up(seq, gain)
                 value = gain / (draft_s + catch_up + costs.cost(rows + n) - costs.cost(rows))
-                candidates.append((value, seq, gain, n, draft_s, catch_up, hasattr(seq.drafter, "drafting")))
+                candidates.append((value, seq, gain, n, draft_s, catch_up, batches_forwards(seq.drafter)))
         if explorer is not None:
             chosen.append(explorer)
         candidates.sort(key=lambda c: -c[0])
@@ -345,7 +344,7 @@ class BatchEngine:
         self.prior.nodes = 0.9 * self.prior.nodes + 0.1 * n
         if look.steady:
             seconds, prior = seq.draft_seconds, self.prior.draft_s
-            if hasattr(seq.drafter, "drafting"):
+            if batches_forwards(seq.drafter):
                 seconds *= self._alone_factor
             look.draft_s = seconds if look.draft_s is None else 0.7 * look.draft_s + 0.3 * seconds
             self.prior.draft_s = seconds if prior is None else 0.9 * prior + 0.1 * seconds

@@ -282,15 +282,16 @@ class Transformer(nn.Module):
         logits = self.lm_head(hidden[:, logits_from:]).float()  # [B, T - logits_from, vocab]
         return logits, hidden
 
-    def forward_parts(self, parts: list[Part], decode: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def forward_parts(self, parts: list[Part]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One forward over several sequences' new tokens -> per part (logits [t - logits_from, vocab],
-        hidden [t, d]). Keys and values go into each part's own cache; the callers advance the lengths."""
+        hidden [t, d]). Keys and values go into each part's own cache; the callers advance the lengths. Each part
+        attends in its own mode (`Part.decode`)."""
         segments, begin = [], 0
         for part in parts:
             t, start = part.tokens.numel(), part.cache.length
             write_pos = torch.arange(start, start + t, device=part.tokens.device)
             segments.append(Segment(begin, begin + t, part.cache, write_pos, part.attn_mask,
-                                    row_slots(part.attn_mask) if decode else None))
+                                    row_slots(part.attn_mask) if part.decode else None))
             begin += t
         tokens = torch.cat([p.tokens for p in parts])[None]  # [1, N]
         positions = torch.cat([p.positions for p in parts])[None]
@@ -315,13 +316,13 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
 
-def forward_parts(model: nn.Module, parts: list[Part], decode: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def forward_parts(model: nn.Module, parts: list[Part]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`model.forward_parts` where the model has it; otherwise (transformers' models) one forward per part, which is
     correct but reads the weights once per part."""
     if hasattr(model, "forward_parts"):
-        return model.forward_parts(parts, decode)
+        return model.forward_parts(parts)
     out = []
     for p in parts:
-        logits, hidden = model(p.tokens[None], p.positions[None], p.cache, p.attn_mask, p.logits_from, decode)
+        logits, hidden = model(p.tokens[None], p.positions[None], p.cache, p.attn_mask, p.logits_from, p.decode)
         out.append((logits[0], hidden[0]))
     return out

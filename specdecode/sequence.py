@@ -60,6 +60,7 @@ class Sequence:
         self.fed = 0  # prompt tokens in the cache so far
         self.hidden: torch.Tensor | None = None  # target hidden states of the last step's emitted tokens
         self.draft = Draft.empty(device)
+        self._depths = torch.empty(0, dtype=torch.long)  # of this step's draft nodes, set by verify_part
         self.proposed = False  # whether the drafter was asked this step (and so has something to commit)
         self.draft_seconds = 0.0  # what proposing took this step
         self.finish_reason: str | None = None

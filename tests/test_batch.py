@@ -178,9 +178,9 @@ def test_draft_model_forwards_are_batched_across_requests_and_draft_the_same(tar
     calls: list[int] = []
     batched = draft.forward_parts
 
-    def counting(parts, decode=True):
+    def counting(parts):
         calls.append(len(parts))
-        return batched(parts, decode)
+        return batched(parts)
 
     monkeypatch.setattr(draft, "forward_parts", counting)
     make = lambda: DraftModelDrafter(draft, vocab_size=64, width=2)

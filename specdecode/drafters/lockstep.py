@@ -4,8 +4,7 @@
 `run_alone` serves one drafter: one forward per part. `run_batched` serves the drafters of many requests at once
 (the batch engine's step): every round, the parts all of them wait for go through ONE forward of their shared
 draft model (model.forward_parts: ragged rows, attention per request), so a batch of requests reads the draft
-model's weights once per depth instead of once per request. Parts that ask for non-decode rows (a prompt's first
-feed) run on their own, as they would alone.
+model's weights once per depth instead of once per request; a prompt's first feed (a non-decode part) rides along.
 """
 
 from __future__ import annotations
@@ -22,10 +21,11 @@ Drafting = Generator[Part, torch.Tensor, Draft]
 
 
 def run_alone(drafting: Drafting, model: torch.nn.Module, drafter) -> Draft:
+    """Drive one drafter's generator to its Draft, one forward per part."""
     try:
         part = next(drafting)
         while True:
-            part = drafting.send(_forward(model, [part], drafter and [drafter])[0])
+            part = drafting.send(_forward(model, [part], [drafter])[0])
     except StopIteration as done:
         return done.value
 
@@ -38,10 +38,9 @@ def run_batched(draftings: list[tuple[Drafting, torch.nn.Module, object]]) -> li
     for i, (gen, _, _) in enumerate(draftings):
         _advance(i, gen, None, waiting, results)
     while waiting:
-        groups: dict[tuple[int, bool], list[int]] = {}
-        for i, part in waiting.items():  # one forward per model; a non-decode part alone
-            key = (id(draftings[i][1]), part.decode)
-            groups.setdefault(key if part.decode else (i, False), []).append(i)
+        groups: dict[int, list[int]] = {}  # one forward per draft model
+        for i in waiting:
+            groups.setdefault(id(draftings[i][1]), []).append(i)
         sent: dict[int, torch.Tensor] = {}
         for members in groups.values():
             model = draftings[members[0]][1]
@@ -63,17 +62,21 @@ def _advance(i: int, gen: Drafting, logits: torch.Tensor | None, waiting: dict[i
         results[i] = e
 
 
-def _forward(model: torch.nn.Module, parts: list[Part], drafters: list | None) -> list[torch.Tensor]:
-    """One forward over `parts` (all decode, or one non-decode part); advances each part's cache; -> logits."""
+def _forward(model: torch.nn.Module, parts: list[Part], drafters: list) -> list[torch.Tensor]:
+    """One forward over `parts`; advances each part's cache; -> each part's logits. A forward of decode rows only
+    tells the drafters their share of its time (a prompt's feed would inflate it)."""
     began = time.perf_counter()
-    outputs = forward_parts(model, parts, decode=parts[0].decode)
-    seconds = (time.perf_counter() - began) / len(parts)  # each request's share of the forward
-    logits = []
-    for part, (rows, _) in zip(parts, outputs):
+    outputs = forward_parts(model, parts)
+    seconds = (time.perf_counter() - began) / len(parts)
+    for part in parts:
         part.cache.truncate(part.cache.length + part.tokens.numel())
-        logits.append(rows)
-    if parts[0].decode:
-        for drafter in drafters or []:
+    if all(part.decode for part in parts):
+        for drafter in drafters:
             if hasattr(drafter, "forward_took"):
                 drafter.forward_took(seconds)
-    return logits
+    return [logits for logits, _ in outputs]
+
+
+def batches_forwards(drafter) -> bool:
+    """Whether this drafter is written as a generator of forwards (and so can draft in lockstep with others)."""
+    return hasattr(drafter, "drafting")

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdecode.api import text_chunk
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.server.metrics import Metrics
@@ -199,8 +200,6 @@ class Scheduler:
             self._end(job, None, "abort")
 
     def _step(self) -> None:
-        from specdecode.api import text_chunk
-
         try:
             results = self.engine.step()
         except Exception:  # a bug in the forward fails the requests in it, never the worker serving everyone
