@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from specdecode.batch import BatchEngine
 from specdecode.budget import CostCurve, load_or_measure
 from specdecode.config import SamplingParams
-from specdecode.drafters import DRAFTERS
+from specdecode.drafters import DRAFTERS, TRAINED
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
 from specdecode.engine import Engine, Step
 from specdecode.errors import SpecdecodeError
@@ -37,7 +38,7 @@ DRAFT_MIN_CONFIDENCE = 0.5
 DRAFT_SHAPES = ("chain", "tree")
 # Measured side by side (BENCHMARKS.md): on a 2-core CPU the draft model's siblings rarely pay for the wider draft
 # forwards and verify rows they cost, while n-gram siblings are free to draft.
-DEFAULT_DRAFT_SHAPE = {"draft": "chain", "ngram": "tree"}
+DEFAULT_DRAFT_SHAPE = {"draft": "chain", "ngram": "tree", "eagle": "tree", "medusa": "tree"}
 NGRAM_TREE_BRANCHES = 4  # earlier matches merged into an n-gram tree
 
 
@@ -74,7 +75,8 @@ class SpecDecoder:
              num_draft_tokens: int | None = None, dtype: str = "auto", device: str = "cpu",
              max_len: int = 8192, max_ngram: int = 3, quantize: str = "none",
              draft_quantize: str = "auto", weights: str = "auto", draft_shape: str | None = None,
-             draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None) -> SpecDecoder:
+             draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None,
+             draft_adapter: str | None = None) -> SpecDecoder:
         """`weights` = 'auto' runs a GGUF file's quantized blocks as stored on CPU (the model llama.cpp runs),
         'float' de-quantizes it to `dtype`. `quantize` writes a float target in blocks (q8_0, q4_k; the output
         stays exact for that target); `draft_quantize` only changes how good and how cheap the guesses are.
@@ -82,13 +84,18 @@ class SpecDecoder:
         (measured once and cached); `draft_shape` 'tree' drafts several guesses per position, 'chain' one
         (None: the method's default, DEFAULT_DRAFT_SHAPE).
         `draft_vocab` cuts the draft's LM head to that many frequent tokens (0: whole vocabulary), counted on
-        `draft_vocab_corpus` (jsonl files) or on the instruction data shipped for the vocabulary."""
+        `draft_vocab_corpus` (jsonl files) or on the instruction data shipped for the vocabulary.
+        Methods `eagle` and `medusa` take `draft` = the folder `specdecode train` wrote for this target;
+        `draft_adapter` = a LoRA adapter folder (`specdecode train draft`) applied to the draft model."""
         if method not in DRAFTERS:
             raise SpecdecodeError(f"unknown method '{method}': choose one of {', '.join(DRAFTERS)}")
         draft_shape = draft_shape or default_shape(method)
         if draft_shape not in DRAFT_SHAPES:
             raise SpecdecodeError(f"unknown draft shape '{draft_shape}': choose one of {', '.join(DRAFT_SHAPES)}")
+        heads = check_trained_folder(method, draft)
         draft = (draft or DEFAULT_DRAFT) if method == "draft" else None
+        if draft_adapter is not None and method != "draft":
+            raise SpecdecodeError("--draft-adapter applies to --method draft (a LoRA adapter of the draft model)")
         plan = plan_load(target, draft, dtype, device, quantize, draft_quantize, weights)
         model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
         draft_model = None
@@ -97,10 +104,14 @@ class SpecDecoder:
             draft_model, draft_tokenizer = load_model(draft, plan.dtype, device, plan.draft_quantize,
                                                       plan.draft_weights)
             check_same_tokenizer(tokenizer, draft_tokenizer or load_tokenizer(draft), target, draft)
+            if draft_adapter is not None:
+                from specdecode.trained.lora import apply_adapter
+
+                apply_adapter(draft_model, draft_adapter, draft)
             cut_draft_head(draft_model, tokenizer, draft, draft_vocab, draft_vocab_corpus)
         if draft_shape == "tree" and not isinstance(model, Transformer):
             draft_shape = "chain"  # trees need the native model's tree attention; transformers' verify chains
-        drafter = build_drafter(method, model, draft_model, max_ngram, draft_shape)
+        drafter = build_drafter(method, model, draft_model, max_ngram, draft_shape, heads)
         if num_draft_tokens is not None and num_draft_tokens < 0:
             raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         k = 0 if method == "none" else num_draft_tokens
@@ -167,9 +178,12 @@ def text_chunk(text: TextStream, step: Step, stats: GenerationStats) -> TextChun
 
 
 def build_drafter(method: str, target: torch.nn.Module, draft_model: torch.nn.Module | None = None,
-                  max_ngram: int = 3, shape: str | None = None):
-    """The drafter for `method` over already-loaded models, with the library's defaults."""
+                  max_ngram: int = 3, shape: str | None = None, heads: str | None = None):
+    """The drafter for `method` over already-loaded models, with the library's defaults (`heads`: the folder
+    of a trained eagle or medusa drafter)."""
     tree = (shape or default_shape(method)) == "tree"
+    if method in TRAINED:
+        return DRAFTERS[method].load(heads, target, **({} if tree else {"width": 1}))
     if method == "draft":
         return DRAFTERS[method](draft_model, vocab_size=target.config.vocab_size, min_confidence=DRAFT_MIN_CONFIDENCE,
                                 width=TREE_WIDTH if tree else 1, expand=TREE_EXPAND if tree else 1)
@@ -181,6 +195,16 @@ def build_drafter(method: str, target: torch.nn.Module, draft_model: torch.nn.Mo
 def verify_costs(model: torch.nn.Module, target: str, plan: LoadPlan, device: str) -> CostCurve:
     """The cost curve of `target` as `plan` loads it on `device`: cached, measured on first use."""
     return load_or_measure(model, f"{target} | {plan.describe()} | {device}")
+
+
+def check_trained_folder(method: str, draft: str | None) -> str | None:
+    """The trained drafter folder an eagle or medusa method needs (None for other methods)."""
+    if method not in TRAINED:
+        return None
+    if not draft or not Path(draft).is_dir():
+        raise SpecdecodeError(f"--method {method} needs --draft DIR: the folder `specdecode train {method}` wrote"
+                              + (f" ('{draft}' is not a folder)" if draft else ""))
+    return draft
 
 
 def default_shape(method: str) -> str:

@@ -89,6 +89,7 @@ class BatchEngine:
         self._alone_factor = 1.0  # a batched drafter's share of the last draft forwards -> its time alone
         self.last = StepInfo()
         self.eos = tuple(target.config.eos_token_ids)
+        self.feature_layers: tuple[int, ...] = ()  # target layers the drafters read, set as requests arrive
 
     # --- admission -------------------------------------------------------------------------------------------
 
@@ -129,6 +130,7 @@ class BatchEngine:
         cache = self.target.new_cache(1, min(need, max(len(prompt_ids) + MAX_AUTO_NODES + 1, 256)))
         drafter = self.make_drafter()
         drafter.reset()
+        self.feature_layers = tuple(getattr(drafter, "feature_layers", ()))  # every request's drafter is alike
         seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos,
                        self._draft_size(num_draft_tokens), self.costs, self.target.device)
         self.running.append(seq)
@@ -171,6 +173,7 @@ class BatchEngine:
         if not parts:
             return self._finish(results)
         began = time.perf_counter()
+        self.target.feature_layers = self.feature_layers  # what the drafters read (engine.py)
         outputs = forward_parts(self.target, parts)  # every part in decode mode: rows as if alone
         rows = sum(p.tokens.numel() for p in parts)
         if self.costs is not None and self.target.device.type == "cpu":

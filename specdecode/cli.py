@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate | models` (more subcommands register in `build_parser`).
+"""Command line: `specdecode generate | models | bench | serve | train` (each registers in `build_parser`).
 
 Errors a user can fix (SpecdecodeError) print as one line on stderr with exit code 2, never a traceback.
 """
@@ -14,6 +14,7 @@ from specdecode.bench.cli import add_parser as add_bench_parser
 from specdecode.cli_args import add_model_args, add_sampling_args, load_decoder, sampling_params
 from specdecode.errors import SpecdecodeError
 from specdecode.server.cli import add_parser as add_serve_parser
+from specdecode.training.cli import add_parser as add_train_parser
 
 ACCEPTED_COLOR, RESET = "\033[32m", "\033[0m"  # green: tokens the drafter guessed and the target accepted
 
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_serve_parser(sub)
+    add_train_parser(sub)
     return parser
 
 

@@ -15,14 +15,18 @@ from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model and drafter options shared by generate, serve and bench."""
     p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for --method draft (same tokenizer)")
+    p.add_argument("--draft", default=None,
+                   help=f"--method draft: the draft model (same tokenizer; default {DEFAULT_DRAFT}); --method "
+                        "eagle or medusa: the folder `specdecode train` wrote")
+    p.add_argument("--draft-adapter", default=None, metavar="DIR",
+                   help="a LoRA adapter for the draft model (`specdecode train draft`)")
     p.add_argument("--method", default="draft", choices=list(DRAFTERS), help="how tokens are drafted")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="draft tokens verified per step (default: chosen each step from what a verify forward "
                         "costs on this machine, measured once and cached)")
     p.add_argument("--draft-shape", default=None, choices=list(DRAFT_SHAPES),
                    help="tree: several guesses per position, verified at once; chain: one guess per position "
-                        "(default: chain for draft, tree for ngram)")
+                        "(default: chain for draft, tree for ngram, eagle and medusa)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_weight_args(p)
@@ -60,7 +64,8 @@ def decoder_kwargs(args: argparse.Namespace) -> dict:
     return dict(target=args.target, draft=args.draft, method=args.method, num_draft_tokens=args.num_draft_tokens,
                 dtype=args.dtype, device=args.device, max_len=args.max_len, quantize=args.quantize,
                 draft_quantize=args.draft_quantize, weights=args.weights, draft_shape=args.draft_shape,
-                draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus)
+                draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,
+                draft_adapter=args.draft_adapter)
 
 
 def load_decoder(args: argparse.Namespace):

@@ -65,6 +65,9 @@ class Engine:
         seq = self.sequence = Sequence(tokens, params, self.drafter, self.cache, self.max_len,
                                        tuple(self.target.config.eos_token_ids), num_draft_tokens, self.costs,
                                        self.target.device)
+        # A drafter that reads the target's inner layers (an EAGLE head) has them returned after the final hidden
+        # state; set per request, since decoders in one process (the benchmark's) share the target.
+        self.target.feature_layers = tuple(getattr(self.drafter, "feature_layers", ()))
         part = seq.prefill_part()
         logits, hidden = self.target(part.tokens[None], part.positions[None], self.cache, part.attn_mask,
                                      logits_from=part.logits_from)

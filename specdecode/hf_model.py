@@ -49,6 +49,7 @@ class HFModel(nn.Module):
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         self.config = HFConfig(eos_ids, hf.vocab_size)
         self.max_context = getattr(hf, "max_position_embeddings", 4096)
+        self.feature_layers: tuple[int, ...] = ()  # as Transformer.feature_layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -82,4 +83,5 @@ class HFModel(nn.Module):
             output_hidden_states=True,
             logits_to_keep=count - logits_from,
         )
-        return out.logits.float(), out.hidden_states[-1]
+        features = [out.hidden_states[i] for i in self.feature_layers]  # [i] is the input of layer i
+        return out.logits.float(), torch.cat((out.hidden_states[-1], *features), dim=-1)

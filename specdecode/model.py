@@ -10,6 +10,8 @@ Keys and values of the T new tokens are written into cache slots [cache.length, 
 are their rotary positions (equal to the slots for a chain, the depth for tree nodes); attention reads slots
 [0, S) under `attn_mask` (True = may attend). The caller owns `cache.length` and advances it after the call.
 Explicit positions and masks are what let one forward verify a chain or a tree of draft tokens.
+`hidden` is the final hidden state [B, T, d]; with `feature_layers` set it is followed by the inputs of those layers
+(what an EAGLE-style head drafts from), [B, T, d * (1 + len(feature_layers))]; the logits always use the first d.
 `decode=True` (the engine's decode and verify steps) computes every row exactly as a one-token forward of that
 token would: attention one row at a time, and, with the linear layers on the CPU kernel (quantize.py), a verify
 forward's logits equal one-token forwards bit for bit.
@@ -250,6 +252,9 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # Layers whose inputs a drafter reads as features (EAGLE-style heads): `hidden` then carries them after the
+        # final hidden state, [.., d * (1 + len(feature_layers))]. Empty: hidden is [.., d].
+        self.feature_layers: tuple[int, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:  # of activations and the KV cache (the embedding may be in blocks)
@@ -278,8 +283,8 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         write_pos = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)  # [T]
         seg = Segment(0, tokens.shape[1], cache, write_pos, attn_mask, row_slots(attn_mask) if decode else None)
-        hidden = self._layers(tokens, positions, [seg])  # [B, T, d]
-        logits = self.lm_head(hidden[:, logits_from:]).float()  # [B, T - logits_from, vocab]
+        hidden = self._layers(tokens, positions, [seg])  # [B, T, d (+ features)]
+        logits = self.lm_head(hidden[:, logits_from:, : self.config.hidden_size]).float()  # [B, T - from, vocab]
         return logits, hidden
 
     def forward_parts(self, parts: list[Part]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -297,7 +302,8 @@ class Transformer(nn.Module):
         positions = torch.cat([p.positions for p in parts])[None]
         hidden = self._layers(tokens, positions, segments)[0]  # [N, d]
         wanted = [torch.arange(s.begin + p.logits_from, s.end, device=hidden.device) for s, p in zip(segments, parts)]
-        logits = self.lm_head(hidden[torch.cat(wanted)][None])[0].float()  # [sum of wanted, vocab]
+        final = hidden[torch.cat(wanted), : self.config.hidden_size]
+        logits = self.lm_head(final[None])[0].float()  # [sum of wanted, vocab]
         out, at = [], 0
         for seg, rows in zip(segments, wanted):
             out.append((logits[at : at + rows.numel()], hidden[seg.begin : seg.end]))
@@ -305,15 +311,20 @@ class Transformer(nn.Module):
         return out
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """Embedding, every decoder layer and the final norm -> hidden states [B, T, d]."""
+        """Embedding, every decoder layer and the final norm -> hidden states [B, T, d], then the inputs of
+        `feature_layers` where a drafter asked for them."""
         x = self.model.embed_tokens(tokens)  # [B, T, d]
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        captured = []
         for i, block in enumerate(self.model.layers):
+            if i in self.feature_layers:
+                captured.append(x)
             x = x + block.self_attn(block.input_layernorm(x), cos, sin, i, segments)
             x = x + block.mlp(block.post_attention_layernorm(x))
-        return self.model.norm(x)
+        x = self.model.norm(x)
+        return torch.cat((x, *captured), dim=-1) if captured else x
 
 
 def forward_parts(model: nn.Module, parts: list[Part]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -58,7 +58,10 @@ class Sequence:
         self.stats.draft_budget = "auto" if self.auto else num_draft_tokens
         self.stats.verify_costs = costs if self.auto else None
         self.fed = 0  # prompt tokens in the cache so far
-        self.hidden: torch.Tensor | None = None  # target hidden states of the last step's emitted tokens
+        # Target hidden states for the drafter: of the last step's emitted tokens, or, for a drafter that reads
+        # every position's features (`reads_hidden`, an EAGLE head), of every position it has not seen yet.
+        self.hidden: torch.Tensor | None = None
+        self.keep_hidden = bool(getattr(drafter, "reads_hidden", False))
         self.draft = Draft.empty(device)
         self._depths = torch.empty(0, dtype=torch.long)  # of this step's draft nodes, set by verify_part
         self.proposed = False  # whether the drafter was asked this step (and so has something to commit)
@@ -90,11 +93,14 @@ class Sequence:
         the whole prompt is in, else None."""
         self.fed += n
         self.cache.truncate(self.fed)  # the sampled first token becomes the root of the first decode step
+        if self.keep_hidden:
+            self._hold(hidden)
         if self.prefilling:
             return None
         probs = to_probs(logits[-1], self.params)
         token = int(probs.argmax()) if self.params.greedy else int(sample(probs, self.generator))
-        self.hidden = hidden[-1:]
+        if not self.keep_hidden:
+            self.hidden = hidden[-1:]
         stats = self.stats
         stats.ttft_s = time.perf_counter() - self.started
         step = self._finish([token], 0, 0)
@@ -118,6 +124,8 @@ class Sequence:
         ctx = DraftContext(self.tokens, self.params, self.generator, self.hidden, self.costs if self.auto else None,
                            depth_room, others_tokens, others_rows)
         self.proposed = budget > 0 and depth_room > 0
+        if self.proposed and self.keep_hidden:
+            self.hidden = None  # the drafter takes these rows now
         return budget, ctx
 
     def proposed_draft(self, draft: Draft) -> Draft:
@@ -162,7 +170,11 @@ class Sequence:
         else:
             self.cache.truncate(start + 1)
             self.cache.keep(torch.tensor(accepted, device=device) + start + 1)
-        self.hidden = hidden[torch.tensor([0] + [node + 1 for node in accepted], device=hidden.device)]
+        rows = hidden[torch.tensor([0] + [node + 1 for node in accepted], device=hidden.device)]
+        if self.keep_hidden:
+            self._hold(rows)
+        else:
+            self.hidden = rows
         if self.proposed:  # a drafter that was not asked has nothing to roll back or learn from
             self.drafter.commit(draft.as_proposed(accepted), draft.origin)
         step = self._finish(verdict.emitted.tolist(), len(draft), len(accepted))
@@ -171,6 +183,9 @@ class Sequence:
                                depth=int(self._depths.max()) if len(draft) else 0)
         self.stats.wall_s = now - self.started
         return step
+
+    def _hold(self, rows: torch.Tensor) -> None:
+        self.hidden = rows if self.hidden is None else torch.cat((self.hidden, rows))
 
     def _finish(self, emitted: list[int], num_drafted: int, num_accepted: int) -> Step:
         """Cut `emitted` at EOS or the token budget, append it to `tokens`, and say why generation ends."""

@@ -68,8 +68,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-# Every method but llama.cpp's, which run GGUF files only (tested on a real one in test_e2e_stored.py).
-METHODS = [m for m in all_methods() if not m.startswith("llamacpp")]
+# Every method but llama.cpp's, which run GGUF files only (tested on a real one in test_e2e_stored.py), and the
+# trained drafters, which need a trained folder (test_trained.py).
+METHODS = [m for m in all_methods() if not m.startswith(("llamacpp", "eagle", "medusa", "draft-lora"))]
 
 
 def _args(root: Path, *extra: str) -> list[str]:

@@ -20,7 +20,7 @@ from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, SpecDecoder, verify_co
 from specdecode.bench.data import load_prompts
 from specdecode.bench.harness import run_bench
 from specdecode.bench.loaders import (
-    NEEDS_DRAFT, BenchModels, all_methods, build_runners, load_models, num_draft_tokens, parse_methods, runner_is_ours,
+    NEEDS_DRAFT, TUNED_DRAFT, BenchModels, all_methods, build_runners, load_models, num_draft_tokens, parse_methods, runner_is_ours,
     weights_bytes,
 )  # fmt: skip
 from specdecode.bench.machine import command_line, machine_info
@@ -46,6 +46,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="FILE", help="write the results here, and PNG plots next to it")
     p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for draft and hf-assisted")
+    p.add_argument("--eagle", metavar="DIR", help="the EAGLE head for method eagle (`specdecode train eagle`)")
+    p.add_argument("--medusa", metavar="DIR", help="the Medusa heads for method medusa (`specdecode train medusa`)")
+    p.add_argument("--draft-adapter", metavar="DIR",
+                   help="the LoRA adapter for method draft-lora (`specdecode train draft`): the tuned draft beside "
+                        "the untuned one")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_weight_args(p)
@@ -66,13 +71,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise SpecdecodeError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.num_draft_tokens is not None and args.num_draft_tokens < 0:
         raise SpecdecodeError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
+    trained = trained_folders(args, methods)
     prompts = load_prompts(args.dataset, args.limit, args.prompt_as_chat)
     draft = args.draft if NEEDS_DRAFT & set(methods) - {"hf-assisted"} else None
     plan = plan_load(args.target, draft, args.dtype, args.device, args.quantize, args.draft_quantize, args.weights)
     print(f"bench: {len(prompts)} prompts, methods {', '.join(methods)}; {plan.describe()}; loading models...",
           file=sys.stderr)
     models = load_models(args.target, args.draft, methods, plan, args.device, args.draft_vocab,
-                         args.draft_vocab_corpus)
+                         args.draft_vocab_corpus, trained, args.draft_adapter)
     ours_auto = args.num_draft_tokens is None and any(runner_is_ours(m) for m in methods if m != "none")
     costs = verify_costs(models.target, args.target, plan, args.device) if ours_auto else None
     if costs is not None:
@@ -96,6 +102,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def trained_folders(args: argparse.Namespace, methods: list[str]) -> dict[str, str]:
+    """eagle / medusa -> the folder given for it; a trained method without one is an error before any load."""
+    folders = {}
+    for method, folder in (("eagle", args.eagle), ("medusa", args.medusa)):
+        if any(m == method or m.startswith(f"{method}-") for m in methods):
+            if not folder or not Path(folder).is_dir():
+                raise SpecdecodeError(f"method {method} needs --{method} DIR: the folder `specdecode train {method}` "
+                                      "wrote" + (f" ('{folder}' is not a folder)" if folder else ""))
+            folders[method] = folder
+    if TUNED_DRAFT in methods and not args.draft_adapter:
+        raise SpecdecodeError(f"method {TUNED_DRAFT} needs --draft-adapter DIR (`specdecode train draft`)")
+    return folders
+
+
 def method_facts(methods: list[str], models: BenchModels, runners: dict[str, Any],
                  override_k: int | None) -> dict[str, dict[str, Any]]:
     return {m: {"family": runners[m].family, "num_draft_tokens": num_draft_tokens(m, override_k) if m == "none"
@@ -114,6 +134,7 @@ def settings(args: argparse.Namespace, methods: list[str], greedy: bool, plan: L
         "prompt_as_chat": args.prompt_as_chat, "weights": plan.weights, "quantize": plan.quantize,
         "draft_weights": plan.draft_weights, "draft_quantize": plan.draft_quantize, "threads": torch.get_num_threads(),
         "draft_vocab": args.draft_vocab, "draft_vocab_corpus": args.draft_vocab_corpus,
+        "eagle": args.eagle, "medusa": args.medusa, "draft_adapter": args.draft_adapter,
         "peak_memory": "process RSS high-water mark (ru_maxrss): process-wide, every loaded model included"
                        if cpu else "torch.cuda.max_memory_allocated, reset before each generation",
         "hf_ttft": "time until transformers' streamer receives the first generated token",

@@ -16,7 +16,7 @@ the float checkpoint in our dtype, or in bfloat16 when our target runs a GGUF fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +40,16 @@ BASELINE = "none"
 # Reference methods -> the method of ours they mirror (its default k), None for plain decoding.
 HF_METHODS: dict[str, str | None] = {"hf": None, "hf-assisted": "draft", "hf-pld": "ngram"}
 MIRRORS = HF_METHODS | {"llamacpp": None, "llamacpp-lookup": "ngram"}
-SHAPED = ("draft", "ngram")  # our methods that draft chains or trees
-NEEDS_DRAFT = {"draft", "draft-chain", "draft-tree", "hf-assisted"}
+SHAPED = ("draft", "ngram", "eagle")  # our methods that draft chains or trees
+NEEDS_DRAFT = {"draft", "draft-chain", "draft-tree", "draft-lora", "hf-assisted"}
+# The draft model with a LoRA adapter (`--draft-adapter`), beside the untuned `draft` in the same run.
+TUNED_DRAFT = "draft-lora"
 REFERENCE_NUM_DRAFT_TOKENS = {"draft": 5, "ngram": 4}
 
 
 def all_methods() -> list[str]:
     shaped = [f"{m}-{shape}" for m in SHAPED for shape in DRAFT_SHAPES]
-    return list(DRAFTERS) + shaped + list(HF_METHODS) + list(LLAMACPP_METHODS)
+    return list(DRAFTERS) + shaped + [TUNED_DRAFT] + list(HF_METHODS) + list(LLAMACPP_METHODS)
 
 
 def runner_is_ours(method: str) -> bool:
@@ -90,6 +92,9 @@ class BenchModels:
     hf_target: torch.nn.Module | None = None  # transformers CausalLM on the same files
     hf_draft: torch.nn.Module | None = None
     target_gguf: Path | None = None  # the file llama.cpp runs
+    tuned_draft: torch.nn.Module | None = None  # the draft with its LoRA adapter (draft-lora)
+    trained: dict[str, str] = field(default_factory=dict)  # eagle / medusa -> the folder `specdecode train` wrote
+    head_weights: dict[str, torch.nn.Module] = field(default_factory=dict)  # method -> its trained head, once built
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -97,18 +102,25 @@ class BenchModels:
 
 
 def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, device: str,
-                draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None) -> BenchModels:
+                draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None,
+                trained: dict[str, str] | None = None, draft_adapter: str | None = None) -> BenchModels:
     """Our models as SpecDecoder.load builds them (`plan`, the draft's head cut to `draft_vocab` frequent
-    tokens); transformers' always unquantized."""
+    tokens); transformers' always unquantized. `trained`: the head folder of each trained method."""
     model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
     if tokenizer is None:
         raise SpecdecodeError(f"target '{target}' ships no tokenizer; the benchmark needs one to encode prompts")
-    models = BenchModels(model, tokenizer)
+    models = BenchModels(model, tokenizer, trained=dict(trained or {}))
     if NEEDS_DRAFT & set(methods):
         check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
     if NEEDS_DRAFT & set(methods) - {"hf-assisted"}:
         models.draft, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
         cut_draft_head(models.draft, tokenizer, draft, draft_vocab, draft_vocab_corpus)
+    if TUNED_DRAFT in methods:
+        from specdecode.trained.lora import apply_adapter
+
+        models.tuned_draft, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
+        apply_adapter(models.tuned_draft, draft_adapter, draft)
+        cut_draft_head(models.tuned_draft, tokenizer, draft, draft_vocab, draft_vocab_corpus)
     hf_dtype = torch.bfloat16 if plan.weights == "stored" else plan.dtype
     if any(m in HF_METHODS for m in methods):
         models.hf_target = load_hf(target, hf_dtype, device)
@@ -143,7 +155,12 @@ def build_runners(methods: list[str], models: BenchModels, override_k: int | Non
             name, shape = drafter_and_shape(method)
             if not isinstance(models.target, Transformer):
                 shape = "chain"  # as SpecDecoder.load: transformers' models verify chains only
-            drafter = build_drafter(name, models.target, models.draft, max_ngram, shape)
+            if method == TUNED_DRAFT:
+                name, shape = "draft", default_shape("draft")
+            draft_model = models.tuned_draft if method == TUNED_DRAFT else models.draft
+            drafter = build_drafter(name, models.target, draft_model, max_ngram, shape, models.trained.get(name))
+            if (head := getattr(drafter, "weights", None)) is not None:
+                models.head_weights[method] = head
             decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len, costs)
             runners[method] = SpecRunner(decoder, models.target.device)
     return runners
@@ -171,6 +188,7 @@ def weights_bytes(method: str, models: BenchModels) -> int:
         used = [models.hf_target] + ([models.hf_draft] if method == "hf-assisted" else [])
     else:
         used = [models.target] + ([models.draft] if method in NEEDS_DRAFT else [])
+        used += [models.head_weights[method]] if method in models.head_weights else []
     tensors = {t.data_ptr(): t.numel() * t.element_size() for m in used for t in model_tensors(m)}
     return sum(tensors.values())
 

@@ -102,7 +102,9 @@ class DraftContext:
     tokens: list[int]  # prompt + every emitted token so far; the last one is not yet in the target's cache
     params: SamplingParams  # the request's sampling settings, so draft probabilities match the target's
     generator: torch.Generator | None  # the request's generator (None when greedy)
-    hidden: torch.Tensor | None = None  # [T, d] target hidden states of the last step's emitted tokens, if any
+    # [T, d] target hidden states of the last step's emitted tokens, if any. A drafter with `reads_hidden = True`
+    # gets every position it has not seen yet instead (the prompt's first), with the target's `feature_layers`.
+    hidden: torch.Tensor | None = None
     costs: CostCurve | None = None  # what a target forward over m tokens costs here; None = fixed draft size
     max_depth: int = 1 << 30  # deeper nodes could not be emitted (the request's token budget is nearly spent)
     # In a batch (batch.py): the tokens the other requests' rows yield and how many rows they put in the same

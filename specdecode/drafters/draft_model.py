@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
 
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.lockstep import run_alone
+from specdecode.drafters.tree_growth import GrowsTrees, Node
 from specdecode.masks import chain_mask
 from specdecode.model import Part
-from specdecode.sampling import to_probs
 
 TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
 # Nodes of a depth fed to the next draft forward in a tree. On a 2-core CPU feeding three cost 16.8 ms against
@@ -41,20 +40,7 @@ TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
 TREE_EXPAND = 1
 
 
-@dataclass(slots=True)
-class Node:
-    token: int
-    parent: int  # node index, -1 = root
-    depth: int
-    prob: float  # the draft's confidence in it given its parent: its probability (greedy), the largest probability
-    # left in the distribution it was drawn from (sampling)
-    score: float  # product of draft probabilities along the path: the estimate that the target accepts it
-    dist: int  # index of the distribution (of its parent's expansion) it was drawn from
-    drawn_before: list[int]  # sibling tokens drawn before it from that distribution (its rank = their count)
-    slot: int = -1  # draft cache slot once fed, -1 = never fed
-
-
-class DraftModelDrafter:
+class DraftModelDrafter(GrowsTrees):
     def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 1024,
                  min_confidence: float = 0.0, width: int = 1, max_depth: int = 8, expand: int | None = None) -> None:
         self.model = model
@@ -124,10 +110,6 @@ class DraftModelDrafter:
         """Tokens its cache lacks: what the next draft first feeds (the prompt, or steps it sat out)."""
         return len(tokens) - (self.cache.length if self.cache is not None else 0)
 
-    def forward_took(self, seconds: float) -> None:
-        """A decode forward of this drafter took `seconds` (its share, when batched with other requests')."""
-        self.forward_s = seconds if self.forward_s == 0 else 0.8 * self.forward_s + 0.2 * seconds
-
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Accepted nodes that were fed stay, moved behind the agreed prefix; a node never fed (a leaf) ends them.
         if self.cache is None:  # nothing drafted yet (a request with a draft budget of 0)
@@ -143,88 +125,6 @@ class DraftModelDrafter:
             self.cache.keep(torch.tensor(slots, device=self.cache.k.device))
         else:
             self.cache.truncate(self.base_length + len(slots))
-
-    def _children(self, logits: torch.Tensor, rows: list[int], depth: int, nodes: list[Node],
-                  dists: list[torch.Tensor], ctx: DraftContext) -> list[int]:
-        """Add the `width` children of each row's node (rows of logits [R, vocab]); -> the new node indices."""
-        logits, ids = self._draft_space(logits)  # a subset head stays in its own space: 5x fewer logits
-        greedy = ctx.params.greedy
-        if greedy:
-            probs = logits.float().softmax(-1)
-            top_probs, top_index = probs.topk(self.width, dim=-1)  # [R, width]
-        else:
-            probs = to_probs(logits, ctx.params)  # [R, vocab]
-            # Gumbel top-k: the largest log q + Gumbel noise are a draw without replacement, in draw order.
-            noise = -torch.empty_like(probs).exponential_(generator=ctx.generator).log()
-            top_index = (probs.log() + noise).topk(self.width, dim=-1).indices  # [R, width]
-            top_probs = probs.gather(-1, top_index)
-            likeliest = probs.topk(self.width, dim=-1)  # for each draw's confidence, see below
-        top_tokens = top_index if ids is None else ids[top_index]
-        new = []
-        for r, parent in enumerate(rows):
-            if not greedy:
-                dists.append(probs[r])
-            base = 1.0 if parent < 0 else nodes[parent].score
-            drawn: list[int] = []
-            drawn_mass, drawn_index = 0.0, set()
-            for token, index, p in zip(top_tokens[r].tolist(), top_index[r].tolist(), top_probs[r].tolist()):
-                if p <= 0.0:
-                    break  # nothing left to draw (top-k/top-p cut the distribution short)
-                if greedy:
-                    confidence = p
-                else:
-                    # Under sampling a node's confidence must not depend on the token drawn for it: keeping a node
-                    # because of its own q(x) would bias which tokens reach the verifier, and the output with it.
-                    # What it may use is the distribution it is drawn from: the largest probability left in q
-                    # after the siblings drawn before it.
-                    left = next(v for v, i in zip(likeliest.values[r].tolist(), likeliest.indices[r].tolist())
-                                if i not in drawn_index)
-                    confidence = left / max(1.0 - drawn_mass, 1e-12)
-                nodes.append(Node(token, parent, depth, confidence, base * confidence, len(dists) - 1, list(drawn)))
-                new.append(len(nodes) - 1)
-                drawn.append(token)
-                drawn_mass += p
-                drawn_index.add(index)
-        return new
-
-    def _worth_growing(self, nodes: list[Node], best: Node, ctx: DraftContext, max_tokens: int,
-                       started: float) -> bool:
-        if ctx.costs is None:  # fixed budget: grow while the draft is sure of its newest best guess
-            return best.prob >= self.min_confidence
-        # One more draft forward adds at most best.score expected tokens (a child never scores above its parent).
-        best_new = best.score
-        scores = sorted((n.score for n in nodes), reverse=True)[:max_tokens]
-        spent = time.perf_counter() - started
-        tokens, rows = 1.0 + ctx.others_tokens, 1 + ctx.others_rows  # in a batch the others share the forward
-        n = ctx.costs.best_count(scores, spent, tokens, rows)
-        expected, now = tokens + sum(scores[:n]), spent + ctx.costs.cost(rows + n)
-        grown = spent + self.forward_s + ctx.costs.cost(rows + n + 1)
-        return (expected + best_new) / grown > expected / now
-
-    def _draft(self, nodes: list[Node], dists: list[torch.Tensor], ctx: DraftContext, max_tokens: int) -> Draft:
-        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, i))[:max_tokens]
-        self.nodes, self.kept = nodes, sorted(order)  # parents come before children, as in `nodes`
-        if not self.kept:
-            return Draft.empty(self.model.device)
-        index = {node: i for i, node in enumerate(self.kept)}
-        kept = [nodes[i] for i in self.kept]
-        device = self.model.device
-        tokens = torch.tensor([n.token for n in kept], dtype=torch.long, device=device)
-        parents = torch.tensor([index[n.parent] if n.parent >= 0 else -1 for n in kept], dtype=torch.long,
-                               device=device)
-        probs = None
-        if not ctx.params.greedy:
-            rows = torch.stack([dists[n.dist] for n in kept])  # [n, vocab] or [n, subset]
-            if (head_tokens := getattr(self.model, "head_tokens", None)) is not None:
-                full = rows.new_zeros(len(kept), self.vocab_size)
-                full[:, head_tokens[head_tokens < self.vocab_size]] = rows
-                rows = full
-            for row, node in zip(rows, kept):
-                if node.drawn_before:  # drawn without replacement: its siblings drawn earlier were not available
-                    row[node.drawn_before] = 0.0
-                    row /= row.sum()
-            probs = rows
-        return Draft(tokens, parents, probs, [n.score for n in kept])
 
     def _nodes_part(self, expand: list[int], nodes: list[Node]) -> Part:
         """One draft forward over the nodes `expand` (one depth), each seeing the prefix and its ancestors."""
@@ -247,24 +147,6 @@ class DraftModelDrafter:
         start, count = self.cache.length, ids.numel()
         positions = torch.arange(start, start + count, device=ids.device)
         return Part(ids, positions, self.cache, chain_mask(start, count, ids.device), count - 1, decode)
-
-    def _draft_space(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft logits [R, size] -> (logits over the tokens it may propose, their vocabulary ids or None when
-        that is the target's whole vocabulary). A head over frequent tokens only (vocab_subset.py) keeps its
-        subset, minus any id the target lacks; the rest are never drafted."""
-        head_tokens = getattr(self.model, "head_tokens", None)
-        if head_tokens is None:
-            return self._fit_vocab(logits), None
-        known = head_tokens < self.vocab_size
-        return (logits, head_tokens) if bool(known.all()) else (logits[..., known], head_tokens[known])
-
-    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        size = logits.shape[-1]
-        if size == self.vocab_size:
-            return logits
-        if size > self.vocab_size:
-            return logits[..., : self.vocab_size]
-        return torch.nn.functional.pad(logits, (0, self.vocab_size - size), value=float("-inf"))
 
     def _ensure_capacity(self, needed: int) -> None:
         if self.cache is None:

@@ -1,0 +1,155 @@
+"""An EAGLE head drafts a dynamic tree from the target's own features (trained/eagle.py; `specdecode train eagle`).
+
+The head keeps its own one-layer KV cache over the committed context: row i holds the target's features at
+position i with the token at i + 1. Each step it first catches up on the rows the target computed since (the
+engine hands over every new position's features: `reads_hidden`), whose last row, the root's, predicts the first
+draft token. Deeper nodes have no target features yet: each is fed with its parent's output hidden state, as the
+head was trained (the unrolled training-time test). The tree grows best nodes first, cut by the machine's verify
+cost curve, as a draft model's does (tree_growth.py). Nodes live in cache slots after the context; `commit` drops
+them all: the accepted tokens come back next step with the target's true features.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode.drafters.base import Draft, DraftContext
+from specdecode.drafters.tree_growth import GrowsTrees, Node
+from specdecode.trained import store
+from specdecode.trained.eagle import EagleConfig, EagleHead, target_embeddings
+
+TREE_WIDTH = 4  # children per expanded node: a head's second and third guesses are often right
+TREE_EXPAND = 2  # nodes of a depth fed on: a head forward is cheap next to the target's
+
+
+class EagleDrafter(GrowsTrees):
+    reads_hidden = True  # every position's target features, not just the last step's (sequence.py)
+
+    def __init__(self, head: EagleHead, target: torch.nn.Module, feature_layers: tuple[int, ...],
+                 width: int = TREE_WIDTH, expand: int = TREE_EXPAND, max_depth: int = 8,
+                 min_confidence: float = 0.3) -> None:
+        self.model = head
+        self.target = target
+        self.feature_layers = tuple(feature_layers)  # the engines have the target return their inputs
+        self.width, self.expand, self.max_depth = width, expand, max_depth
+        self.min_confidence = min_confidence
+        self.vocab_size = target.config.vocab_size
+        self.cache = None
+        self.base_length = 0
+        self.root_hidden: torch.Tensor | None = None  # [1, d] the head's output at the root's row
+        self.nodes: list[Node] = []
+        self.kept: list[int] = []
+        self.hidden_of: dict[int, torch.Tensor] = {}  # fed node -> its output hidden state [d]
+        self.forward_s = 0.0
+
+    @classmethod
+    def load(cls, folder: str | Path, target: torch.nn.Module, **kwargs) -> EagleDrafter:
+        meta, head = store.load_head(folder, "eagle", target, lambda config: EagleHead(EagleConfig(**config)))
+        return cls(head, target, tuple(meta["feature_layers"]), **kwargs)
+
+    @property
+    def weights(self) -> torch.nn.Module:
+        """The trained head (what the benchmark counts as this drafter's weights)."""
+        return self.model
+
+    @property
+    def shape(self) -> str:
+        return "tree" if self.width > 1 else "chain"
+
+    def fork(self) -> EagleDrafter:
+        return EagleDrafter(self.model, self.target, self.feature_layers, self.width, self.expand, self.max_depth,
+                            self.min_confidence)
+
+    def reset(self) -> None:
+        if self.cache is not None:
+            self.cache.reset()
+        self.nodes, self.kept, self.base_length, self.root_hidden = [], [], 0, None
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        if max_tokens <= 0:
+            return Draft.empty(self.model.device)
+        started = time.perf_counter()
+        self._catch_up(ctx)
+        logits = self.model.logits(self.root_hidden)  # [1, draft vocab]
+        nodes: list[Node] = []
+        dists: list[torch.Tensor] = []
+        self.hidden_of = {}
+        rows, depth = [-1], 0
+        while True:
+            depth += 1
+            newest = self._children(logits, rows, depth, nodes, dists, ctx)
+            if depth >= min(self.max_depth, max_tokens, ctx.max_depth) or not newest:
+                break
+            expand = sorted(newest, key=lambda i: -nodes[i].score)[: self.expand]
+            if not self._worth_growing(nodes, nodes[expand[0]], ctx, max_tokens, started):
+                break
+            began = time.perf_counter()
+            logits = self._feed(expand, nodes)
+            self.forward_took(time.perf_counter() - began)
+            rows = expand
+        return self._draft(nodes, dists, ctx, max_tokens)
+
+    def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
+        # Draft nodes were fed with the head's own hidden states; the accepted ones come back next step with
+        # the target's features, so every node's row goes.
+        if self.cache is not None:
+            self.cache.truncate(self.base_length)
+
+    def _catch_up(self, ctx: DraftContext) -> None:
+        """Feed the context rows the head lacks: positions [cache.length, len(tokens) - 1)."""
+        head, target = self.model, self.target
+        needed = len(ctx.tokens) + self.max_depth * self.expand + 1
+        if self.cache is None or self.cache.max_len < needed:
+            self._grow(needed)
+        start, end = self.cache.length, len(ctx.tokens) - 1
+        if end <= start:  # nothing new since the last draft (cannot happen in the engine: the root is new)
+            return
+        d = target.config.hidden_size
+        rows = ctx.hidden  # [rows, d * num_features]: final hidden state, then the feature layers' inputs
+        if rows is None or rows.shape[0] != end - start:  # features missing (should not happen): zeros stand in
+            fill = torch.zeros(end - start, head.config.num_features * d, device=head.device)
+            if rows is not None:
+                take = min(rows.shape[0], end - start)
+                fill[end - start - take :] = rows[rows.shape[0] - take :]
+            rows = fill
+        ids = torch.tensor(ctx.tokens[start + 1 : end + 1], device=head.device)
+        embeds = target_embeddings(target)(ids[None])[0]
+        positions = torch.arange(start, end, device=head.device)
+        mask = torch.ones(end - start, end, dtype=torch.bool, device=head.device).tril(start)
+        out = head.step(embeds, head.fuse(rows), positions, self.cache, mask)
+        self.cache.truncate(end)
+        self.base_length = end
+        self.root_hidden = out[-1:]
+
+    def _feed(self, expand: list[int], nodes: list[Node]) -> torch.Tensor:
+        """One head forward over the nodes `expand` (one depth), each seeing the context and its ancestors;
+        -> their logits [len(expand), draft vocab]."""
+        head = self.model
+        start, count = self.cache.length, len(expand)
+        mask = torch.zeros(count, start + count, dtype=torch.bool, device=head.device)
+        mask[:, : self.base_length] = True
+        for row, i in enumerate(expand):
+            nodes[i].slot = start + row
+            ancestor = i
+            while ancestor >= 0:
+                mask[row, nodes[ancestor].slot] = True
+                ancestor = nodes[ancestor].parent
+        parents = [self.root_hidden[0] if nodes[i].parent < 0 else self.hidden_of[nodes[i].parent] for i in expand]
+        ids = torch.tensor([nodes[i].token for i in expand], device=head.device)
+        embeds = target_embeddings(self.target)(ids[None])[0]
+        positions = torch.tensor([self.base_length - 1 + nodes[i].depth for i in expand], device=head.device)
+        out = head.step(embeds, torch.stack(parents), positions, self.cache, mask)
+        self.cache.truncate(start + count)
+        for row, i in enumerate(expand):
+            self.hidden_of[i] = out[row]
+        return head.logits(out)
+
+    def _grow(self, needed: int) -> None:
+        if self.cache is None:
+            self.cache = self.model.new_cache(max(needed, 1024), self.model.device)
+        else:
+            self.cache.grow(max(needed, 2 * self.cache.max_len))
