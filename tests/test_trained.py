@@ -332,3 +332,14 @@ def test_regenerate_lets_the_target_write_and_resumes_from_its_log(trained: Path
     monkeypatch.setattr(regenerate, "_answer", lambda *a: pytest.fail("regenerated again"))
     code, _, err = _main(args)  # every answer is in the log: nothing is generated twice
     assert code == 0, err
+
+
+def test_bench_runs_trained_methods_by_default_only_when_given_their_folders() -> None:
+    import argparse
+
+    from specdecode.bench.cli import default_methods
+
+    none_given = default_methods(argparse.Namespace(eagle=None, medusa=None, draft_adapter=None))
+    assert not any(m.startswith(("eagle", "medusa", "draft-lora")) for m in none_given) and "draft" in none_given
+    given = default_methods(argparse.Namespace(eagle="e", medusa="m", draft_adapter="a"))
+    assert {"eagle", "eagle-tree", "medusa", "draft-lora"} <= set(given)

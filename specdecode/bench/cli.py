@@ -20,8 +20,8 @@ from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, SpecDecoder, verify_co
 from specdecode.bench.data import load_prompts
 from specdecode.bench.harness import run_bench
 from specdecode.bench.loaders import (
-    NEEDS_DRAFT, TUNED_DRAFT, BenchModels, all_methods, build_runners, load_models, num_draft_tokens, parse_methods, runner_is_ours,
-    weights_bytes,
+    NEEDS_DRAFT, TUNED_DRAFT, BenchModels, all_methods, build_runners, drafter_and_shape, load_models,
+    num_draft_tokens, parse_methods, runner_is_ours, weights_bytes,
 )  # fmt: skip
 from specdecode.bench.machine import command_line, machine_info
 from specdecode.bench.report import build_report, markdown
@@ -38,8 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", action="append", required=True, metavar="FILE",
                    help="JSONL prompts; rows with messages, turns, question or prompt (repeatable)")
     p.add_argument("--limit", type=int, default=None, help="use the first N rows of each dataset")
-    p.add_argument("--methods", default=",".join(all_methods()),
-                   help=f"comma-separated, from {', '.join(all_methods())}; none is always run (the baseline)")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated, from {', '.join(all_methods())}; none is always run (the baseline). "
+                        "Default: all, the trained ones (eagle, medusa, draft-lora) where their folders are given")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="k for every speculative method "
                    "(default: ours choose per step from the verify cost curve; the reference engines run a fixed k)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt per method")
@@ -65,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validate everything before the slow model loads
-    methods = parse_methods(args.methods)
+    methods = parse_methods(args.methods or ",".join(default_methods(args)))
     for name in ("limit", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SpecdecodeError(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -100,6 +101,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         write_outputs(report, Path(args.json))
     return 0
+
+
+def default_methods(args: argparse.Namespace) -> list[str]:
+    """Every method, but a trained one only when its folder was given."""
+    given = {"eagle": args.eagle, "medusa": args.medusa, TUNED_DRAFT: args.draft_adapter}
+    return [m for m in all_methods() if given.get(drafter_and_shape(m)[0], True)]
 
 
 def trained_folders(args: argparse.Namespace, methods: list[str]) -> dict[str, str]:
