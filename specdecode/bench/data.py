@@ -10,12 +10,12 @@ The category is the row's `category` when it has one, else the file's stem; `--l
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specdecode.errors import SpecdecodeError
+from specdecode.jsonl import read_jsonl
 
 ID_FIELDS = ("question_id", "task_id", "id")
 
@@ -50,17 +50,10 @@ def load_file(path: Path, limit: int | None = None, prompt_as_chat: bool = False
     if not path.is_file():
         raise SpecdecodeError(f"dataset {path} not found: give a JSONL file (one JSON object per line)")
     prompts = []
-    with path.open(encoding="utf-8") as file:
-        for number, line in enumerate(file, 1):
-            if limit is not None and len(prompts) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SpecdecodeError(f"{path}:{number} is not valid JSON ({exc.msg})") from exc
-            prompts.append(parse_row(row, path.stem, f"{path}:{number}", prompt_as_chat))
+    for number, row in read_jsonl(path):
+        if limit is not None and len(prompts) >= limit:
+            break
+        prompts.append(parse_row(row, path.stem, f"{path}:{number}", prompt_as_chat))
     return prompts
 
 

@@ -128,18 +128,8 @@ class DraftModelDrafter(GrowsTrees):
 
     def _nodes_part(self, expand: list[int], nodes: list[Node]) -> Part:
         """One draft forward over the nodes `expand` (one depth), each seeing the prefix and its ancestors."""
-        start, count = self.cache.length, len(expand)
-        mask = torch.zeros(1, 1, count, start + count, dtype=torch.bool, device=self.model.device)
-        mask[..., : self.base_length] = True
-        for row, i in enumerate(expand):
-            nodes[i].slot = start + row
-            ancestor = i
-            while ancestor >= 0:
-                mask[0, 0, row, nodes[ancestor].slot] = True
-                ancestor = nodes[ancestor].parent
-        positions = torch.tensor([self.base_length - 1 + nodes[i].depth for i in expand], device=self.model.device)
-        ids = torch.tensor([nodes[i].token for i in expand], device=self.model.device)
-        return Part(ids, positions, self.cache, mask)
+        ids, positions, mask = self._place(expand, nodes, self.cache.length, self.base_length, self.model.device)
+        return Part(ids, positions, self.cache, mask[None, None])
 
     def _chain_part(self, tokens: list[int], decode: bool = True) -> Part:
         """A chain of tokens at the next cache positions; the logits of the last one."""

@@ -129,21 +129,12 @@ class EagleDrafter(GrowsTrees):
         """One head forward over the nodes `expand` (one depth), each seeing the context and its ancestors;
         -> their logits [len(expand), draft vocab]."""
         head = self.model
-        start, count = self.cache.length, len(expand)
-        mask = torch.zeros(count, start + count, dtype=torch.bool, device=head.device)
-        mask[:, : self.base_length] = True
-        for row, i in enumerate(expand):
-            nodes[i].slot = start + row
-            ancestor = i
-            while ancestor >= 0:
-                mask[row, nodes[ancestor].slot] = True
-                ancestor = nodes[ancestor].parent
+        start = self.cache.length
+        ids, positions, mask = self._place(expand, nodes, start, self.base_length, head.device)
         parents = [self.root_hidden[0] if nodes[i].parent < 0 else self.hidden_of[nodes[i].parent] for i in expand]
-        ids = torch.tensor([nodes[i].token for i in expand], device=head.device)
         embeds = target_embeddings(self.target)(ids[None])[0]
-        positions = torch.tensor([self.base_length - 1 + nodes[i].depth for i in expand], device=head.device)
         out = head.step(embeds, torch.stack(parents), positions, self.cache, mask)
-        self.cache.truncate(start + count)
+        self.cache.truncate(start + len(expand))
         for row, i in enumerate(expand):
             self.hidden_of[i] = out[row]
         return head.logits(out)

@@ -31,6 +31,23 @@ class Node:
 
 
 class GrowsTrees:
+    def _place(self, expand: list[int], nodes: list[Node], start: int, base_length: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Nodes `expand` (one depth) fed at cache slots [start, start + len(expand)) -> (their token ids, their
+        rotary positions (base_length - 1 + depth), the mask [len(expand), start + len(expand)] letting each see
+        the agreed prefix, its fed ancestors and itself). Records each node's slot."""
+        mask = torch.zeros(len(expand), start + len(expand), dtype=torch.bool, device=device)
+        mask[:, :base_length] = True
+        for row, i in enumerate(expand):
+            nodes[i].slot = start + row
+            ancestor = i
+            while ancestor >= 0:
+                mask[row, nodes[ancestor].slot] = True
+                ancestor = nodes[ancestor].parent
+        ids = torch.tensor([nodes[i].token for i in expand], device=device)
+        positions = torch.tensor([base_length - 1 + nodes[i].depth for i in expand], device=device)
+        return ids, positions, mask
+
     def forward_took(self, seconds: float) -> None:
         """A decode forward of this drafter took `seconds` (its share, when batched with other requests')."""
         self.forward_s = seconds if self.forward_s == 0 else 0.8 * self.forward_s + 0.2 * seconds

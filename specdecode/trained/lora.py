@@ -38,10 +38,8 @@ def apply_adapter(model: nn.Module, folder: str | Path, draft_name: str) -> None
     modules = dict(model.named_modules())
     for key in [k for k in tensors if k.endswith(".lora_a")]:
         name = key.removesuffix(".lora_a")
-        parent_name, _, child = name.rpartition(".")
         if name not in modules:
             raise SpecdecodeError(f"{folder}: the adapter names layer '{name}', which draft '{draft_name}' lacks")
-        dtype = torch.float32
-        a, b = tensors[key].to(dtype), tensors[f"{name}.lora_b"].to(dtype)
-        device = model.device
-        setattr(modules[parent_name], child, LoraLinear(modules[name], a.to(device), b.to(device), scale))
+        a, b = (tensors[f"{name}.lora_{x}"].float().to(model.device) for x in "ab")
+        parent_name, _, child = name.rpartition(".")
+        setattr(modules[parent_name], child, LoraLinear(modules[name], a, b, scale))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.errors import SpecdecodeError
+from specdecode.jsonl import read_jsonl
 
 MIN_TOKENS = 8  # shorter examples teach nothing about continuing text
 EVAL_SHARE = 0.05  # of the examples held back from training, for the report
@@ -86,17 +86,10 @@ def read_examples(files: list[Path], tokenizer: Any, max_len: int) -> Iterator[E
 
 
 def _records(path: Path) -> Iterator[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as file:
-        for line_no, line in enumerate(file, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SpecdecodeError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise SpecdecodeError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
-            yield line_no, record
+    for line_no, record in read_jsonl(path):
+        if not isinstance(record, dict):
+            raise SpecdecodeError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+        yield line_no, record
 
 
 def encode_record(record: dict, tokenizer: Any, where: str) -> tuple[list[int], list[bool]]:

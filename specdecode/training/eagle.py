@@ -8,7 +8,9 @@ import torch
 
 from specdecode.trained.eagle import EagleConfig, EagleHead, target_embeddings
 from specdecode.training.features import Features
-from specdecode.training.loop import Batch, draft_vocab, head_rows, optimize, packed_batches, soft_loss
+from specdecode.training.loop import (
+    Batch, chain_report, draft_vocab, head_rows, optimize, packed_batches, soft_loss,
+)
 
 STEP_WEIGHT = 0.8
 
@@ -77,14 +79,4 @@ def evaluate(head: EagleHead, target: torch.nn.Module, features: Features, steps
             ok &= guess == batch.top_ids[rows + 1 + k, 0]
             joint[k] += ok.sum().cpu()
         counted += rows.numel()
-    return report(joint, counted)
-
-
-def report(joint: torch.Tensor, counted: int) -> dict:
-    if counted == 0:
-        return {"positions": [], "mean_accepted_length": 1.0, "rows": 0}
-    p = (joint / counted).tolist()
-    conditional = [p[0]] + [p[k] / p[k - 1] if p[k - 1] > 0 else 0.0 for k in range(1, len(p))]
-    return {"acceptance_per_position": [round(x, 4) for x in conditional],
-            "all_right_through_position": [round(x, 4) for x in p],
-            "mean_accepted_length": round(1.0 + sum(p), 3), "rows": counted}
+    return chain_report(joint, counted)

@@ -120,6 +120,19 @@ def draft_vocab(features: Features, vocab_size: int, size: int, always: tuple[in
     return frequent_tokens(counts, min(size, vocab_size), [i for i in always if 0 <= i < vocab_size])
 
 
+def chain_report(all_right: torch.Tensor, counted: int) -> dict:
+    """all_right[k] = held-back rows whose guesses at draft positions 0..k were all the target's top token ->
+    acceptance per position (given the ones before it was accepted) and the mean accepted length a chain of
+    that many guesses would reach (1 + the sum of all_right / counted)."""
+    if counted == 0:
+        return {"acceptance_per_position": [], "mean_accepted_length": 1.0, "rows": 0}
+    p = (all_right / counted).tolist()
+    conditional = [p[0]] + [p[k] / p[k - 1] if p[k - 1] > 0 else 0.0 for k in range(1, len(p))]
+    return {"acceptance_per_position": [round(x, 4) for x in conditional],
+            "all_right_through_position": [round(x, 4) for x in p],
+            "mean_accepted_length": round(1.0 + sum(p), 3), "rows": counted}
+
+
 @torch.no_grad()
 def head_rows(target: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The target's LM head rows for `ids` in float32 [n, d], whatever form the head runs in."""

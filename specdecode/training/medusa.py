@@ -7,7 +7,9 @@ import torch
 
 from specdecode.trained.medusa import MedusaConfig, MedusaHeads
 from specdecode.training.features import Features
-from specdecode.training.loop import Batch, draft_vocab, head_rows, optimize, packed_batches, soft_loss
+from specdecode.training.loop import (
+    Batch, chain_report, draft_vocab, head_rows, optimize, packed_batches, soft_loss,
+)
 
 TOP_CHOICES = 8  # ranks whose accuracy is measured per head: the static tree picks among them
 HEAD_WEIGHT = 0.8
@@ -63,11 +65,6 @@ def evaluate(heads: MedusaHeads, features: Features) -> dict:
             ok &= right[:, 0]
             chain[k] += ok.sum().cpu()
         counted += rows.numel()
-    if counted == 0:
-        return {"top_accuracy": [], "mean_accepted_length": 1.0, "rows": 0}
-    p = (chain / counted).tolist()
-    conditional = [p[0]] + [p[k] / p[k - 1] if p[k - 1] > 0 else 0.0 for k in range(1, K)]
-    return {"top_accuracy": [[round(x, 4) for x in row] for row in (hits / counted).tolist()],
-            "acceptance_per_position": [round(x, 4) for x in conditional],
-            "mean_accepted_length": round(1.0 + sum(p), 3), "rows": counted}
+    accuracy = [[round(x, 4) for x in row] for row in (hits / counted).tolist()] if counted else []
+    return {"top_accuracy": accuracy, **chain_report(chain, counted)}
 
