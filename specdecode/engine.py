@@ -18,6 +18,7 @@ from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import Drafter
 from specdecode.errors import SpecdecodeError
+from specdecode.model import prompt_as_decode_rows
 from specdecode.sequence import MAX_AUTO_NODES, Sequence, Step
 from specdecode.stats import GenerationStats
 
@@ -70,7 +71,7 @@ class Engine:
         self.target.feature_layers = tuple(getattr(self.drafter, "feature_layers", ()))
         part = seq.prefill_part()
         logits, hidden = self.target(part.tokens[None], part.positions[None], self.cache, part.attn_mask,
-                                     logits_from=part.logits_from)
+                                     logits_from=part.logits_from, decode=prompt_as_decode_rows(self.target))
         step = seq.prefilled(part.tokens.numel(), logits[0], hidden[0])
         yield step
         while step.finish_reason is None:

@@ -26,6 +26,7 @@ MODES = ("none", "q8_0", "q4_k")
 SUPERBLOCK = {"q8_0": 32, "q4_k": 256}  # the input dimension must be a whole number of these
 ALIASES = {"int8": "q8_0", "int4": "q4_k"}
 LEGACY_OFFSETS = {"q4_0": 8, "q5_0": 16, "q8_0": 128}  # w = d (code - offset); Q4_1 and Q5_1 keep a min instead
+OP_C16, OP_C16_LEGACY, OP_ROWS, OP_FP32, OP_BF16 = range(5)  # kernels.LinearOp kinds (kernels/layer_cpu.h)
 
 
 class KernelLinear(nn.Module):
@@ -36,6 +37,9 @@ class KernelLinear(nn.Module):
         self.bias = linear.bias
         self.weight = linear.weight  # the same Parameter: tied embeddings stay tied, nothing is copied
         self.linear = kernels.linear_fp32 if self.weight.dtype == torch.float32 else kernels.linear_bf16
+        kind = OP_FP32 if self.weight.dtype == torch.float32 else OP_BF16
+        # the native decoder layer's handle on this layer (model.py); it adds the bias as forward does
+        self.op = kernels.LinearOp(kind, [self.weight.detach()], _bias_or_empty(self.bias), [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear(x.reshape(-1, x.shape[-1]).float().contiguous(), self.weight)  # [M, out] float32
@@ -58,15 +62,16 @@ class QuantLinear(nn.Module):
         c16 = out_features % 16 == 0 and kernels.c16_available()
         if c16 and f.superblock == 256:
             self.tensors = tuple(kernels.repack_c16(*packed.tensors(), f.bits, f.group))
-            self.linear, self.args = kernels.linear_c16, (*self.tensors, bias32, f.bits, f.group)
+            kind, ints = OP_C16, [f.bits, f.group]
         elif c16:  # 32-weight blocks: w = d (code - offset), or d code - dmin for Q4_1 / Q5_1 (offset 0)
             offset = LEGACY_OFFSETS.get(f.name, 0)
             self.tensors = tuple(kernels.repack_c16_legacy(packed.qs, packed.qh, packed.d, packed.dmin, f.bits,
                                                            offset == 0))
-            self.linear, self.args = kernels.linear_c16_legacy, (*self.tensors, bias32, f.bits, offset)
+            kind, ints = OP_C16_LEGACY, [f.bits, offset]
         else:
             self.tensors = packed.tensors()
-            self.linear, self.args = kernels.linear_quant, (*self.tensors, bias32, f.bits, f.superblock, f.group)
+            kind, ints = OP_ROWS, [f.bits, f.superblock, f.group]
+        self.op = kernels.LinearOp(kind, list(self.tensors), bias32, ints)  # the kernel and its arguments
         self.packed = packed if keep_rows or not c16 else None
 
     @property
@@ -78,8 +83,12 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        out = self.linear(x2, *self.args).view(*x.shape[:-1], -1)  # bias added by the kernel
+        out = self.op(x2).view(*x.shape[:-1], -1)  # bias added by the kernel
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _bias_or_empty(bias: torch.Tensor | None) -> torch.Tensor:
+    return bias.detach() if bias is not None else torch.empty(0)
 
 
 class QuantEmbedding(nn.Module):

@@ -115,3 +115,42 @@ def test_kernel_attention_extra_slots_match_gathered_sdpa():
         assert torch.allclose(out[:, :, t : t + 1], ref, atol=1e-5)
     with pytest.raises(RuntimeError, match="extra slot"):
         kernels.decode_attention(q, k, v, [10, 12], [[5], []])  # inside the prefix: a slot seen twice
+
+
+@pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+@pytest.mark.parametrize(("model_type", "mode", "overrides"), [
+    ("qwen2", "none", {}),  # biases on q, k, v; float32 weights on the float kernel
+    ("qwen3", "q8_0", {}),  # q and k norms
+    ("llama", "q4_k", dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)),
+])  # fmt: skip
+def test_native_decoder_layers_equal_the_python_loop(monkeypatch, model_type, mode, overrides):
+    """Decode forwards run each layer as one native call (kernels/layer_cpu.cpp): the same operations as the
+    Python loop, so chains, trees and ragged batches of sequences give the same bits either way."""
+    from specdecode.model import Part, Transformer
+
+    model = quantize_(tiny_native(model_type, seed=2, **overrides), mode)
+    prefix, tokens = [7, 3, 9, 1], torch.tensor([4, 5, 6, 2, 8])
+    parents = torch.tensor([-1, 0, 0, 1])
+
+    def run():
+        out = []
+        with torch.inference_mode():
+            caches = [model.new_cache(1, 32) for _ in range(2)]
+            for cache in caches:
+                model(torch.tensor([prefix]), torch.arange(4)[None], cache, chain_mask(0, 4))
+                cache.truncate(4)
+            out += model(tokens[None], torch.arange(4, 9)[None], caches[0], chain_mask(4, 5), decode=True)
+            positions = (4 + torch.cat((torch.zeros(1, dtype=torch.long), depths(parents))))[None]
+            ids = torch.cat((torch.tensor([1]), tokens[:4]))[None]  # a root and four nodes: rows with extra slots
+            out += model(ids, positions, caches[1], tree_mask(4, parents), decode=True)
+            parts = [Part(tokens[:2], torch.arange(4, 6), caches[0], chain_mask(4, 2)),
+                     Part(tokens[2:], torch.arange(4, 7), caches[1], chain_mask(4, 3))]  # fmt: skip
+            for logits, hidden in model.forward_parts(parts):
+                out += [logits, hidden]
+        return out
+
+    native = run()
+    assert model._native[1] is not None, "the native layers did not run"
+    monkeypatch.setattr(Transformer, "_native_layers", lambda self, x, segments: None)
+    python = run()
+    assert all(torch.equal(a, b) for a, b in zip(native, python, strict=True))

@@ -32,7 +32,7 @@ from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.lockstep import run_alone
 from specdecode.drafters.tree_growth import GrowsTrees, Node
 from specdecode.masks import chain_mask
-from specdecode.model import Part
+from specdecode.model import Part, prompt_as_decode_rows
 
 TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
 # Nodes of a depth fed to the next draft forward in a tree. On a 2-core CPU feeding three cost 16.8 ms against
@@ -83,10 +83,10 @@ class DraftModelDrafter(GrowsTrees):
         self._ensure_capacity(len(ctx.tokens) + self.max_depth * self.expand + 1)
         pending = ctx.tokens[self.cache.length :]  # [>= 1] tokens not yet in the draft cache
         if self.cache.length == 0 and len(pending) > 1:
-            # Each position computed as the target computes it: the prompt batched (its prefill), every later
+            # Each position computed as the target computes it (its prompt as the target reads its own), every later
             # token as a one-row decode. With 8-bit activations a last-bit difference can flip a rounding, and a
             # draft that rounds like the target guesses more of its near-ties right.
-            yield self._chain_part(pending[:-1], decode=False)
+            yield self._chain_part(pending[:-1], decode=prompt_as_decode_rows(self.model))
             pending = pending[-1:]
         logits = yield self._chain_part(pending)  # [1, vocab] after the root
         self.base_length = self.cache.length

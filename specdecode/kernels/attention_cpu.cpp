@@ -15,6 +15,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -26,32 +27,118 @@ inline __m256 load8(const at::BFloat16* p) {
 
 using specdecode::lane_sum;
 
-// One query row: softmax(q . k[s] * scale) over its slots, then the weighted sum of v[s], all in float32.
-// Slot j of the row is j for j < span, extra[j - span] after.
+// exp(x) of eight lanes, for x <= 0 (softmax after subtracting the maximum): exp(x) = 2^n exp(r), r = x - n ln 2,
+// exp(r) by a degree-7 polynomial; within ~2 ulp of expf. Lane by lane, so a row's weights do not depend on
+// where its scores sit in a vector.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  // below this expf is denormal or 0: 2^-126 is close enough to 0
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: r stays exact
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// q . key over D in one chain of fused multiply-adds, then the fixed lane sum: the same operations for every key.
 template <typename T>
-void attend_row(const float* q, const T* k, const T* v, int64_t span, const std::vector<int64_t>& extra, int64_t D,
-                float scale, float* scores, float* out) {
+inline float dot(const float* q, const T* key, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(load8(q + d), load8(key + d), acc);
+  return lane_sum(acc);
+}
+
+// One query row of the G heads that share a KV head: per head, softmax(q . k[s] * scale) over the row's slots, then
+// the weighted sum of v[s], all in float32. Slot j of the row is j for j < span, extra[j - span] after.
+// The loops walk the keys and values once for all G heads (a block of keys or a tile of values is read from
+// memory once and used G times from L1) and keep several independent chains in flight, without changing any
+// value's order of operations: each score is its own chain over d, each output lane one chain over the slots in
+// order, the softmax denominator eight lane chains over the slots then the fixed lane sum. So a row's result
+// depends only on its own slots, never on the other rows or heads of the call.
+// q, out: head g at q + g * stride; scores: head g at scores + g * s_stride, s_stride >= count + 8.
+template <typename T>
+void attend_group(const float* q, float* out, int64_t stride, int64_t G, const T* k, const T* v, int64_t span,
+                  const std::vector<int64_t>& extra, int64_t D, float scale, float* scores, int64_t s_stride) {
   const int64_t count = span + static_cast<int64_t>(extra.size());
   auto slot = [&](int64_t j) { return j < span ? j : extra[j - span]; };
-  float top = -INFINITY;
-  for (int64_t j = 0; j < count; ++j) {
-    const T* key = k + slot(j) * D;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(load8(q + d), load8(key + d), acc);
-    scores[j] = lane_sum(acc) * scale;
-    top = std::max(top, scores[j]);
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {  // four independent chains; the same per-key operations as dot()
+    const T* k0 = k + slot(j) * D;
+    const T* k1 = k + slot(j + 1) * D;
+    const T* k2 = k + slot(j + 2) * D;
+    const T* k3 = k + slot(j + 3) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = load8(qg + d);
+        a0 = _mm256_fmadd_ps(qd, load8(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qd, load8(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(qd, load8(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(qd, load8(k3 + d), a3);
+      }
+      float* s = scores + g * s_stride + j;
+      s[0] = lane_sum(a0) * scale, s[1] = lane_sum(a1) * scale, s[2] = lane_sum(a2) * scale, s[3] = lane_sum(a3) * scale;
+    }
   }
-  float total = 0.f;
-  for (int64_t j = 0; j < count; ++j) {
-    scores[j] = std::exp(scores[j] - top);
-    total += scores[j];
+  for (; j < count; ++j)
+    for (int64_t g = 0; g < G; ++g) scores[g * s_stride + j] = dot(q + g * stride, k + slot(j) * D, D) * scale;
+  // per head: weights exp(s - top), eight at a time; the last vector's lanes past `count` are computed, then dropped
+  std::vector<float> inv_total(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * s_stride;
+    float top = -INFINITY;
+    for (j = 0; j < count; ++j) top = std::max(top, s[j]);
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 lanes = _mm256_setzero_ps();
+    for (j = 0; j < count; j += 8) {
+      const int64_t live = std::min<int64_t>(8, count - j);
+      for (int64_t i = live; i < 8; ++i) s[j + i] = top;
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)),
+                                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      const __m256 w = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift)), keep);
+      _mm256_storeu_ps(s + j, w);
+      lanes = _mm256_add_ps(lanes, w);
+    }
+    inv_total[g] = 1.f / lane_sum(lanes);
   }
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < count; ++j)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), load8(v + slot(j) * D + d), acc);
-    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(1.f / total)));
-  }
+  // weighted sums of v, unnormalised, into `out`: 64 output lanes (eight chains) per pass, tiles of kSlots slots
+  // read once for all heads; the partial sums wait in `out` between tiles (a store and a load change no bit)
+  constexpr int64_t kSlots = 32;
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64)
+    for (int64_t j0 = 0; j0 < count; j0 += kSlots)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* s = scores + g * s_stride;
+        float* o = out + g * stride + d0;
+        __m256 acc[8];
+        for (int c = 0; c < 8; ++c) acc[c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
+        for (j = j0; j < std::min(count, j0 + kSlots); ++j) {
+          const __m256 w = _mm256_set1_ps(s[j]);
+          const T* row = v + slot(j) * D + d0;
+          for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(row + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+      }
+  for (; d0 < D; d0 += 8)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* s = scores + g * s_stride;
+      __m256 acc = _mm256_setzero_ps();
+      for (j = 0; j < count; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), load8(v + slot(j) * D + d0), acc);
+      _mm256_storeu_ps(out + g * stride + d0, acc);
+    }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += 8) {
+      float* o = out + g * stride + d;
+      _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(inv_total[g])));
+    }
 }
 
 template <typename T>
@@ -65,13 +152,14 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   const T* vp = v_cache.data_ptr<T>();
   float* op = out.data_ptr<float>();
   const std::vector<int64_t> none;
-  at::parallel_for(0, B * H * T_, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(S_max);
+  // one unit of work: a row of a batch entry against one KV head, for all the query heads that read it
+  at::parallel_for(0, B * Hkv * T_, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(group * (S_max + 8));
     for (int64_t i = first; i < last; ++i) {
-      const int64_t b = i / (H * T_), h = (i / T_) % H, t = i % T_;
-      const int64_t kv = (b * Hkv + h / group) * S_max * D;
-      attend_row(qp + i * D, kp + kv, vp + kv, spans[t], extras.empty() ? none : extras[t], D, scale, scores.data(),
-                 op + i * D);
+      const int64_t b = i / (Hkv * T_), kvh = (i / T_) % Hkv, t = i % T_;
+      const int64_t kv = (b * Hkv + kvh) * S_max * D, row = ((b * H + kvh * group) * T_ + t) * D;
+      attend_group(qp + row, op + row, T_ * D, group, kp + kv, vp + kv, spans[t], extras.empty() ? none : extras[t],
+                   D, scale, scores.data(), S_max + 8);
     }
   });
 }
@@ -106,14 +194,20 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // q [B, T, H, D], k and v [B, T, Hkv, D] float32 (the projections' outputs, viewed), cos and sin [B, T, D].
 // Rotates q and k by x * cos + rotate_half(x) * sin, rounded as that eager formula rounds (two products, one sum,
 // no fused multiply-add), writes k and v into cache slots [start, start + T) of k_cache, v_cache [B, Hkv, S, D]
-// (float32) with start = slots[0], and returns q rotated as [B, H, T, D], the layout decode_attention reads.
+// (float32) with start = slots[0] (rope_store_at: given), and returns q rotated as [B, H, T, D], the layout decode_attention reads.
 torch::Tensor rope_store(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
                          torch::Tensor& v_cache, const torch::Tensor& slots) {
+  return rope_store_at(q, k, v, cos, sin, k_cache, v_cache, slots.data_ptr<int64_t>()[0]);
+}
+
+torch::Tensor rope_store_at(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
+                            torch::Tensor& v_cache, int64_t start) {
   for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &v, &cos, &sin, &k_cache, &v_cache})
     TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous(), "rope_store takes contiguous float32");
   const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3), Hkv = k.size(2), S = k_cache.size(2);
-  const int64_t start = slots.data_ptr<int64_t>()[0], half = D / 2;
+  const int64_t half = D / 2;
   TORCH_CHECK(start >= 0 && start + T_ <= S, "cache slots out of range");
   auto out = torch::empty({B, H, T_, D}, q.options());
   const float* c = cos.data_ptr<float>();

@@ -1,32 +1,6 @@
 // Python bindings of the native CPU kernels (one extension module, built on first use).
-#include <torch/extension.h>
-
-#include <vector>
-
-torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& weight);
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& weight);
-torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh,
-                           const torch::Tensor& scales, const torch::Tensor& mins, const torch::Tensor& d,
-                           const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t S, int64_t G);
-bool c16_available();
-std::vector<torch::Tensor> repack_c16(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& scales,
-                                      const torch::Tensor& mins, const torch::Tensor& d, const torch::Tensor& dmin,
-                                      int64_t bits, int64_t G);
-torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
-                         const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& d,
-                         const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G);
-std::vector<torch::Tensor> repack_c16_legacy(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
-                                             const torch::Tensor& dmin, int64_t bits, bool with_m);
-torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
-                                const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
-                                int64_t bits, int64_t offset);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras);
-
-torch::Tensor rope_store(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                         const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                         torch::Tensor& v_cache, const torch::Tensor& slots);
+#include "kernels.h"
+#include "layer_cpu.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "y = x @ W^T, W float32");
@@ -42,4 +16,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "per-row attention over a prefix then extra slots, batch-invariant",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("spans"),
         py::arg("extras") = std::vector<std::vector<int64_t>>());
+
+  py::class_<LinearOp>(m, "LinearOp", "a linear layer on one of the kernels (kind: 0 c16, 1 c16 legacy, 2 rows, "
+                                      "3 float32, 4 bfloat16)")
+      .def(py::init<int64_t, std::vector<torch::Tensor>, torch::Tensor, std::vector<int64_t>>(), py::arg("kind"),
+           py::arg("tensors"), py::arg("bias"), py::arg("ints"))
+      .def("__call__", &LinearOp::operator());
+  py::class_<DecodeRows>(m, "DecodeRows", "the segments of a decode forward (layer_cpu.h)")
+      .def(py::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<std::vector<int64_t>>,
+                    std::vector<std::vector<std::vector<int64_t>>>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>>(),
+           py::arg("begin"), py::arg("end"), py::arg("start"), py::arg("spans"), py::arg("extras"), py::arg("k"),
+           py::arg("v"));
+  py::class_<DecoderLayer>(m, "DecoderLayer", "a decoder layer's decode step in one call (layer_cpu.h)")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
+                    torch::Tensor, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp>(),
+           py::arg("index"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("q"),
+           py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"))
+      .def("forward", &DecoderLayer::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rows"));
 }

@@ -1,0 +1,41 @@
+// A decoder layer's decode step in one native call. A one-token forward of the 1.5B target runs ~15 small framework
+// operations per layer around its kernels: in Python that glue cost ~0.13 ms a layer, a tenth of the whole step.
+// Here the same kernels and the same ATen operations run in the same order, so the result is bit for bit what
+// model.py's Python path computes (which still runs prefill, CUDA, bfloat16 and layers this cannot take).
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+// A linear layer on one of the kernels, with what the kernel needs: built by quantize.py's QuantLinear and
+// KernelLinear (their `op`).
+struct LinearOp {
+  enum Kind : int64_t { kC16 = 0, kC16Legacy = 1, kQuant = 2, kFp32 = 3, kBf16 = 4 };
+  int64_t kind;
+  std::vector<torch::Tensor> tensors;  // the weight's tensors, in the kernel's argument order
+  torch::Tensor bias;                  // empty: none
+  std::vector<int64_t> ints;           // the kernel's integer arguments (bits, group, ...)
+
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+
+// Which rows of a forward belong to which sequence: rows [begin, end) of segment s write their keys and values to
+// cache slots [start, start + end - begin) of caches k[s], v[s] ([layers, 1, Hkv, S, D] float32), and row t of the
+// segment attends to slots [0, spans[s][t]) then extras[s][t] (decode_attention's contract).
+struct DecodeRows {
+  std::vector<int64_t> begin, end, start;
+  std::vector<std::vector<int64_t>> spans;
+  std::vector<std::vector<std::vector<int64_t>>> extras;
+  std::vector<torch::Tensor> k, v;
+};
+
+struct DecoderLayer {
+  int64_t index, heads, kv_heads, head_dim;
+  double eps;
+  torch::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm, k_norm empty where the model has none
+  LinearOp q, k, v, o, gate, up, down;
+
+  // x [T, d] float32, the rows of every segment; cos, sin [T, head_dim] -> the layer's output [T, d]
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const DecodeRows& rows) const;
+};
