@@ -11,8 +11,11 @@
 //   lo:  32 vectors of 64 bytes; vector p, byte 4 c + i = code[c][8 p + i] & 15 | (code[c][8 p + 4 + i] & 15) << 4
 //   hi:  the high bits, 2-bit fields: vector q, byte 4 c + i, bits 2 j, 2 j + 1 = bits 4, 5 of code[c][4 (4 q + j) + i]
 //        (5 bits: only the lower bit of each field is set), 16 vectors
-//   sc:  [256 / G][16] int8 sub-block scales;  mn: [256 / G / 2][16][2] int16 mins, sub-blocks in pairs
-//   d, dmin: [16] float32
+//   sc:  [256 / G][16] int8 sub-block scales;  mn: [256 / G / 2][16][2] int8 mins, sub-blocks in pairs
+//   d, dmin: [16] float16, as the file has them
+// Q6_K has no mins: its offset of 32 is subtracted from each sub-block's integer sum (sum - 32 x the sub-block's
+// activation codes) before the scale, so it keeps neither mn nor dmin. Per 256 x 16 weights that is 3,360 bytes
+// for Q6_K and 2,368 for Q4_K (the file: 3,360 and 2,304): a one-token forward reads about what llama.cpp reads.
 // Activations: int8 codes per 256 (scale xd), and sums of the codes per sub-block as int16 pairs.
 //
 // Every output y[m, n] is reduced in one fixed order (superblocks in order, integer sums exact), whatever M is, so
@@ -62,11 +65,12 @@ std::vector<torch::Tensor> repack_c16(const torch::Tensor& qs, const torch::Tens
   TORCH_CHECK(N % 16 == 0, "repack_c16: N must be a multiple of 16");
   auto opts = torch::TensorOptions().dtype(torch::kUInt8);
   auto lo = torch::empty({ng, nsb, 32, 64}, opts);
+  const bool with_mins = bits != 6;
   auto hi = torch::zeros({ng, nsb, bits > 4 ? 16 : 0, 64}, opts);
   auto sc = torch::empty({ng, nsb, nsub, 16}, opts.dtype(torch::kInt8));
-  auto mn = torch::empty({ng, nsb, nsub / 2, 16, 2}, opts.dtype(torch::kInt16));
-  auto dd = torch::empty({ng, nsb, 16}, opts.dtype(torch::kFloat32));
-  auto dm = torch::empty({ng, nsb, 16}, opts.dtype(torch::kFloat32));
+  auto mn = torch::empty({ng, with_mins ? nsb : 0, nsub / 2, 16, 2}, opts.dtype(torch::kInt8));
+  auto dd = torch::empty({ng, nsb, 16}, opts.dtype(torch::kFloat16));
+  auto dm = torch::empty({ng, with_mins ? nsb : 0, 16}, opts.dtype(torch::kFloat16));
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const uint8_t* h = bits > 4 ? qh.data_ptr<uint8_t>() : nullptr;
   const int8_t* s = scales.data_ptr<int8_t>();
@@ -92,10 +96,11 @@ std::vector<torch::Tensor> repack_c16(const torch::Tensor& qs, const torch::Tens
           }
           for (int64_t u = 0; u < nsub; ++u) {
             sc.data_ptr<int8_t>()[(at * nsub + u) * 16 + c] = s[n * (K / G) + sb * nsub + u];
-            mn.data_ptr<int16_t>()[((at * (nsub / 2) + u / 2) * 16 + c) * 2 + u % 2] = m[n * (K / G) + sb * nsub + u];
+            if (with_mins)
+              mn.data_ptr<int8_t>()[((at * (nsub / 2) + u / 2) * 16 + c) * 2 + u % 2] = m[n * (K / G) + sb * nsub + u];
           }
-          dd.data_ptr<float>()[at * 16 + c] = static_cast<float>(d16[n * nsb + sb]);
-          dm.data_ptr<float>()[at * 16 + c] = static_cast<float>(m16[n * nsb + sb]);
+          dd.data_ptr<at::Half>()[at * 16 + c] = d16[n * nsb + sb];
+          if (with_mins) dm.data_ptr<at::Half>()[at * 16 + c] = m16[n * nsb + sb];
         }
       }
     }
@@ -110,9 +115,9 @@ struct C16Weight {
   const uint8_t* lo;
   const uint8_t* hi;
   const int8_t* sc;
-  const int16_t* mn;
-  const float* d;
-  const float* dmin;
+  const int8_t* mn;     // none for Q6_K
+  const uint16_t* d;    // float16
+  const uint16_t* dmin;  // float16; none for Q6_K
   int64_t nsb;
 };
 
@@ -123,6 +128,10 @@ struct C16Acts {
   int64_t K;
 };
 
+inline __m512 load_f16x16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -132,7 +141,7 @@ inline __m512i bcast4(const int8_t* p) {
 template <int BITS, int G, int TILE>
 void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
   constexpr int nsub = 256 / G, chunks = G / 4;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
   __m512 acc[TILE];
   for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < w.nsb; ++sb) {
@@ -159,8 +168,12 @@ void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y
         __m512i codes = _mm512_and_si512(chunk % 2 ? _mm512_srli_epi16(packed, 4) : packed, low4);
         if constexpr (BITS > 4) {
           const __m512i high = _mm512_loadu_si512(hi + (chunk / 4) * 64);
-          const __m512i field = _mm512_and_si512(_mm512_srli_epi16(high, 2 * (chunk % 4)), low2);
-          codes = _mm512_or_si512(codes, _mm512_slli_epi16(field, 4));
+          // field j of each byte moved to bits 4, 5 (one shift, none for j = 2; 16-bit lanes carry nothing
+          // into bits 4, 5 of the other byte), then codes | (that & 0x30) in one ternary-logic instruction
+          const int j = chunk % 4;
+          const __m512i moved = j == 0 ? _mm512_slli_epi16(high, 4) : j == 1 ? _mm512_slli_epi16(high, 2)
+                                : j == 2 ? high : _mm512_srli_epi16(high, 2);
+          codes = _mm512_ternarylogic_epi32(codes, moved, bits45, 0xF8);  // a | (b & c)
         }
         for (int t = 0; t < TILE; ++t)
           part[j % kSplit][t] = _mm512_dpbusd_epi32(part[j % kSplit][t], codes,
@@ -168,19 +181,31 @@ void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y
       }
       const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (at * nsub + u) * 16)));
       for (int t = 0; t < TILE; ++t) {
-        const __m512i sum = kSplit == 2 ? _mm512_add_epi32(part[0][t], part[kSplit - 1][t]) : part[0][t];
+        __m512i sum = kSplit == 2 ? _mm512_add_epi32(part[0][t], part[kSplit - 1][t]) : part[0][t];
+        if constexpr (BITS == 6) {  // codes are stored + 32: take 32 x the sub-block's activation codes back off
+          const int32_t pair = a.pairs[(m0 + t) * (a.K / G / 2) + sb * (nsub / 2) + u / 2];
+          const int32_t codes_sum = u % 2 ? pair >> 16 : static_cast<int16_t>(pair & 0xFFFF);
+          sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(32 * codes_sum));
+        }
         isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sum, scale));
       }
+    }
+    const __m512 d = load_f16x16(w.d + at * 16);
+    if constexpr (BITS == 6) {
+      for (int t = 0; t < TILE; ++t)
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]),
+                                 _mm512_mul_ps(d, _mm512_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb])), acc[t]);
+      continue;
     }
     // min terms: sum over sub-blocks of min[c][u] * (sum of the row's codes in sub-block u), two sub-blocks a step
     __m512i imin[TILE];
     for (int t = 0; t < TILE; ++t) imin[t] = _mm512_setzero_si512();
     for (int p = 0; p < nsub / 2; ++p) {
-      const __m512i mins = _mm512_loadu_si512(w.mn + (at * (nsub / 2) + p) * 32);
+      const __m512i mins = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mn + (at * (nsub / 2) + p) * 32)));
       for (int t = 0; t < TILE; ++t)
         imin[t] = _mm512_dpwssd_epi32(imin[t], mins, _mm512_set1_epi32(a.pairs[(m0 + t) * (a.K / G / 2) + sb * (nsub / 2) + p]));
     }
-    const __m512 d = _mm512_loadu_ps(w.d + at * 16), dmin = _mm512_loadu_ps(w.dmin + at * 16);
+    const __m512 dmin = load_f16x16(w.dmin + at * 16);
     for (int t = 0; t < TILE; ++t) {
       const __m512 xd = _mm512_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb]);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, xd), acc[t]);
@@ -231,8 +256,10 @@ torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const 
   auto pairs = torch::empty({M, K / G / 2}, x.options().dtype(torch::kInt32));
   quantize_acts(x.data_ptr<float>(), M, K, G, q.data_ptr<int8_t>(), xd.data_ptr<float>(), pairs.data_ptr<int32_t>());
   const C16Acts a{q.data_ptr<int8_t>(), xd.data_ptr<float>(), pairs.data_ptr<int32_t>(), K};
+  const auto* d16 = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const auto* m16 = dmin.numel() ? reinterpret_cast<const uint16_t*>(dmin.data_ptr<at::Half>()) : nullptr;
   const C16Weight w{lo.data_ptr<uint8_t>(), hi.numel() ? hi.data_ptr<uint8_t>() : nullptr, sc.data_ptr<int8_t>(),
-                    mn.data_ptr<int16_t>(), d.data_ptr<float>(), dmin.data_ptr<float>(), nsb};
+                    mn.numel() ? mn.data_ptr<int8_t>() : nullptr, d16, m16, nsb};
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, ng, 1, [&](int64_t first, int64_t last) {
