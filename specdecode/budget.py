@@ -84,20 +84,20 @@ class CostCurve:
 
 
 def machine_key() -> str:
-    """What makes a timing comparable: CPU model and flags (or GPU name), threads, torch version."""
+    """What makes a timing comparable: CPU model and flags (or GPU name), threads, torch and kernel versions."""
     from specdecode.bench.machine import cpu_model
-    from specdecode.kernels import cpu_flags
+    from specdecode.kernels import build_key, cpu_flags
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     return (f"{platform.machine()} {cpu_model()} {' '.join(cpu_flags())} {gpu} threads={torch.get_num_threads()} "
-            f"torch={torch.__version__}")
+            f"torch={torch.__version__} kernels={build_key()[0]}")
 
 
 def curve_path(model_key: str, cache: Path | None = None) -> Path:
     from specdecode.hub import cache_dir
 
-    # v2: with batch sizes; older files are measured again
-    digest = hashlib.sha256(f"v2\n{model_key}\n{machine_key()}".encode()).hexdigest()[:16]
+    # v3: decode steps on the native layers; older files are measured again
+    digest = hashlib.sha256(f"v3\n{model_key}\n{machine_key()}".encode()).hexdigest()[:16]
     return (cache or cache_dir()) / "cost-curves" / f"{digest}.json"
 
 

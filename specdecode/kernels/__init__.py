@@ -35,6 +35,20 @@ def cpu_flags() -> list[str]:
     return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
 
 
+def build_key(flags_here: list[str] | None = None) -> tuple[str, list[str]]:
+    """-> (a key naming this build of the kernels, the compiler flags). One build per source version and torch
+    version; built for this CPU (-march=native), so keyed by its flags too. Timings cached elsewhere (the verify
+    cost curve) use the key too: new kernels are measured again."""
+    # at::parallel_for needs OpenMP. No FMA contraction of scalar code: every instantiation of a kernel must round
+    # the same way. SPECDECODE_CPU_ARCH (e.g. x86-64-v3, AVX2 only) builds for a lesser CPU: to test the other paths
+    # on this one.
+    arch = os.environ.get("SPECDECODE_CPU_ARCH", "native")
+    flags = [f"-march={arch}", "-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp"]
+    flags_here = cpu_flags() if flags_here is None else flags_here
+    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {flags_here}".encode()
+    return hashlib.sha256(text).hexdigest()[:12], flags
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     flags_here = cpu_flags()
@@ -50,14 +64,7 @@ def cpu_kernels() -> ModuleType | None:
 
     from specdecode.hub import cache_dir
 
-    # One build per source version and torch version; the first build takes about a minute.
-    # Built for this CPU (-march=native), so the build is keyed by its flags too; at::parallel_for needs OpenMP.
-    # No FMA contraction of scalar code: every instantiation of a kernel must round the same way.
-    # SPECDECODE_CPU_ARCH (e.g. x86-64-v3, AVX2 only) builds for a lesser CPU: to test the other paths on this one.
-    arch = os.environ.get("SPECDECODE_CPU_ARCH", "native")
-    flags = [f"-march={arch}", "-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp"]
-    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {flags_here}".encode()
-    key = hashlib.sha256(text).hexdigest()[:12]
+    key, flags = build_key(flags_here)
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
