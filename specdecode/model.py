@@ -103,7 +103,7 @@ class Segment:
     begin: int
     end: int
     cache: KVCache
-    write_pos: torch.Tensor  # [end - begin] cache slots of the new tokens
+    write_pos: torch.Tensor  # [end - begin] cache slots of the new tokens: cache.length onwards
     attn_mask: torch.Tensor  # [B or 1, 1, end - begin, S]
     rows: RowSlots | None  # decode mode: each row's slots; None = one attention call under attn_mask
 
@@ -322,7 +322,7 @@ class Transformer(nn.Module):
         if (native := self._native_layers(x, segments)) is not None:
             # decode steps, one native call a layer: the same operations as the loop below, without its glue
             rows = cpu_kernels().DecodeRows(
-                [s.begin for s in segments], [s.end for s in segments], [int(s.write_pos[0]) for s in segments],
+                [s.begin for s in segments], [s.end for s in segments], [s.cache.length for s in segments],
                 [s.rows.spans for s in segments], [s.rows.extras for s in segments],
                 [s.cache.k for s in segments], [s.cache.v for s in segments])  # fmt: skip
             h, cos2, sin2 = x[0], cos[0, 0], sin[0, 0]  # [T, d], [T, hd]

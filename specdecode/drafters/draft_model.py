@@ -90,21 +90,7 @@ class DraftModelDrafter(GrowsTrees):
             pending = pending[-1:]
         logits = yield self._chain_part(pending)  # [1, vocab] after the root
         self.base_length = self.cache.length
-        nodes: list[Node] = []
-        dists: list[torch.Tensor] = []  # the distributions children were drawn from (sampling only)
-        parents_of_row = [-1]  # which node each row of `logits` belongs to
-        depth = 0
-        while True:
-            depth += 1
-            newest = self._children(logits, parents_of_row, depth, nodes, dists, ctx)
-            if depth >= min(self.max_depth, max_tokens, ctx.max_depth) or not newest:
-                break
-            expand = sorted(newest, key=lambda i: -nodes[i].score)[: self.expand]
-            if not self._worth_growing(nodes, nodes[expand[0]], ctx, max_tokens, started):
-                break
-            logits = yield self._nodes_part(expand, nodes)
-            parents_of_row = expand
-        return self._draft(nodes, dists, ctx, max_tokens)
+        return (yield from self._grow_tree(logits, ctx, max_tokens, started, self._nodes_part))
 
     def behind(self, tokens: list[int]) -> int:
         """Tokens its cache lacks: what the next draft first feeds (the prompt, or steps it sat out)."""

@@ -75,23 +75,17 @@ class EagleDrafter(GrowsTrees):
         started = time.perf_counter()
         self._catch_up(ctx)
         logits = self.model.logits(self.root_hidden)  # [1, draft vocab]
-        nodes: list[Node] = []
-        dists: list[torch.Tensor] = []
         self.hidden_of = {}
-        rows, depth = [-1], 0
-        while True:
-            depth += 1
-            newest = self._children(logits, rows, depth, nodes, dists, ctx)
-            if depth >= min(self.max_depth, max_tokens, ctx.max_depth) or not newest:
-                break
-            expand = sorted(newest, key=lambda i: -nodes[i].score)[: self.expand]
-            if not self._worth_growing(nodes, nodes[expand[0]], ctx, max_tokens, started):
-                break
-            began = time.perf_counter()
-            logits = self._feed(expand, nodes)
-            self.forward_took(time.perf_counter() - began)
-            rows = expand
-        return self._draft(nodes, dists, ctx, max_tokens)
+        growth = self._grow_tree(logits, ctx, max_tokens, started, lambda expand, nodes: (expand, nodes))
+        try:
+            expand, nodes = next(growth)
+            while True:  # the head's own forwards, one depth each
+                began = time.perf_counter()
+                logits = self._feed(expand, nodes)
+                self.forward_took(time.perf_counter() - began)
+                expand, nodes = growth.send(logits)
+        except StopIteration as done:
+            return done.value
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Draft nodes were fed with the head's own hidden states; the accepted ones come back next step with

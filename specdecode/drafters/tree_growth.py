@@ -9,12 +9,16 @@ A drafter using it has `model` (its `device`, and `head_tokens` when its head sc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.sampling import to_probs
+
+Request = TypeVar("Request")
 
 
 @dataclass(slots=True)
@@ -94,6 +98,28 @@ class GrowsTrees:
                 drawn_mass += p
                 drawn_index.add(index)
         return new
+
+    def _grow_tree(self, logits: torch.Tensor, ctx: DraftContext, max_tokens: int, started: float,
+                   feed: Callable[[list[int], list[Node]], Request]) -> Generator[Request, torch.Tensor, Draft]:
+        """Grow the tree from the root's `logits` [1, vocab], one depth a round: each expanded node gets its
+        children, and while one more forward pays (`_worth_growing`) the best `expand` of the newest are fed:
+        yields feed(expand, nodes) and is sent their logits [len(expand), vocab]. Returns the Draft. The draft
+        model's feed is a Part (forwards batched across requests); the EAGLE head's, its own forward."""
+        nodes: list[Node] = []
+        dists: list[torch.Tensor] = []  # the distributions children were drawn from (sampling only)
+        parents_of_row = [-1]  # which node each row of `logits` belongs to
+        depth = 0
+        while True:
+            depth += 1
+            newest = self._children(logits, parents_of_row, depth, nodes, dists, ctx)
+            if depth >= min(self.max_depth, max_tokens, ctx.max_depth) or not newest:
+                break
+            expand = sorted(newest, key=lambda i: -nodes[i].score)[: self.expand]
+            if not self._worth_growing(nodes, nodes[expand[0]], ctx, max_tokens, started):
+                break
+            logits = yield feed(expand, nodes)
+            parents_of_row = expand
+        return self._draft(nodes, dists, ctx, max_tokens)
 
     def _worth_growing(self, nodes: list[Node], best: Node, ctx: DraftContext, max_tokens: int,
                        started: float) -> bool:

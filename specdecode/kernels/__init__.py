@@ -35,7 +35,8 @@ def cpu_flags() -> list[str]:
     return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
 
 
-def build_key(flags_here: list[str] | None = None) -> tuple[str, list[str]]:
+@functools.cache
+def build_key() -> tuple[str, list[str]]:
     """-> (a key naming this build of the kernels, the compiler flags). One build per source version and torch
     version; built for this CPU (-march=native), so keyed by its flags too. Timings cached elsewhere (the verify
     cost curve) use the key too: new kernels are measured again."""
@@ -44,8 +45,7 @@ def build_key(flags_here: list[str] | None = None) -> tuple[str, list[str]]:
     # on this one.
     arch = os.environ.get("SPECDECODE_CPU_ARCH", "native")
     flags = [f"-march={arch}", "-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp"]
-    flags_here = cpu_flags() if flags_here is None else flags_here
-    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {flags_here}".encode()
+    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {cpu_flags()}".encode()
     return hashlib.sha256(text).hexdigest()[:12], flags
 
 
@@ -64,7 +64,7 @@ def cpu_kernels() -> ModuleType | None:
 
     from specdecode.hub import cache_dir
 
-    key, flags = build_key(flags_here)
+    key, flags = build_key()
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):

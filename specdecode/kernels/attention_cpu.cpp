@@ -62,10 +62,12 @@ inline float dot(const float* q, const T* key, int64_t D) {
 // value's order of operations: each score is its own chain over d, each output lane one chain over the slots in
 // order, the softmax denominator eight lane chains over the slots then the fixed lane sum. So a row's result
 // depends only on its own slots, never on the other rows or heads of the call.
-// q, out: head g at q + g * stride; scores: head g at scores + g * s_stride, s_stride >= count + 8.
+// q, out: head g at q + g * stride; scores: head g at scores + g * s_stride, s_stride >= count + 8;
+// inv_total: G floats of room.
 template <typename T>
 void attend_group(const float* q, float* out, int64_t stride, int64_t G, const T* k, const T* v, int64_t span,
-                  const std::vector<int64_t>& extra, int64_t D, float scale, float* scores, int64_t s_stride) {
+                  const std::vector<int64_t>& extra, int64_t D, float scale, float* scores, int64_t s_stride,
+                  float* inv_total) {
   const int64_t count = span + static_cast<int64_t>(extra.size());
   auto slot = [&](int64_t j) { return j < span ? j : extra[j - span]; };
   int64_t j = 0;
@@ -91,7 +93,6 @@ void attend_group(const float* q, float* out, int64_t stride, int64_t G, const T
   for (; j < count; ++j)
     for (int64_t g = 0; g < G; ++g) scores[g * s_stride + j] = dot(q + g * stride, k + slot(j) * D, D) * scale;
   // per head: weights exp(s - top), eight at a time; the last vector's lanes past `count` are computed, then dropped
-  std::vector<float> inv_total(G);
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * s_stride;
     float top = -INFINITY;
@@ -154,12 +155,12 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   const std::vector<int64_t> none;
   // one unit of work: a row of a batch entry against one KV head, for all the query heads that read it
   at::parallel_for(0, B * Hkv * T_, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(group * (S_max + 8));
+    std::vector<float> scores(group * (S_max + 8)), inv_total(group);  // per thread, reused by its rows
     for (int64_t i = first; i < last; ++i) {
       const int64_t b = i / (Hkv * T_), kvh = (i / T_) % Hkv, t = i % T_;
       const int64_t kv = (b * Hkv + kvh) * S_max * D, row = ((b * H + kvh * group) * T_ + t) * D;
       attend_group(qp + row, op + row, T_ * D, group, kp + kv, vp + kv, spans[t], extras.empty() ? none : extras[t],
-                   D, scale, scores.data(), S_max + 8);
+                   D, scale, scores.data(), S_max + 8, inv_total.data());
     }
   });
 }
