@@ -20,7 +20,7 @@ import torch
 from specdecode.batch import BatchEngine
 from specdecode.budget import CostCurve, load_or_measure
 from specdecode.config import SamplingParams
-from specdecode.drafters import DRAFTERS, TRAINED
+from specdecode.drafters import DRAFTERS, TRAINED, USES_DRAFT_MODEL, DraftModelDrafter, HybridDrafter
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
 from specdecode.engine import Engine, Step
 from specdecode.errors import SpecdecodeError
@@ -38,7 +38,7 @@ DRAFT_MIN_CONFIDENCE = 0.5
 DRAFT_SHAPES = ("chain", "tree")
 # Measured side by side (BENCHMARKS.md): on a 2-core CPU the draft model's siblings rarely pay for the wider draft
 # forwards and verify rows they cost, while n-gram siblings are free to draft.
-DEFAULT_DRAFT_SHAPE = {"draft": "chain", "ngram": "tree", "eagle": "tree", "medusa": "tree"}
+DEFAULT_DRAFT_SHAPE = {"draft": "chain", "hybrid": "chain", "ngram": "tree", "eagle": "tree", "medusa": "tree"}
 NGRAM_TREE_BRANCHES = 4  # earlier matches merged into an n-gram tree
 
 
@@ -93,9 +93,10 @@ class SpecDecoder:
         if draft_shape not in DRAFT_SHAPES:
             raise SpecdecodeError(f"unknown draft shape '{draft_shape}': choose one of {', '.join(DRAFT_SHAPES)}")
         heads = check_trained_folder(method, draft)
-        draft = (draft or DEFAULT_DRAFT) if method == "draft" else None
-        if draft_adapter is not None and method != "draft":
-            raise SpecdecodeError("--draft-adapter applies to --method draft (a LoRA adapter of the draft model)")
+        draft = (draft or DEFAULT_DRAFT) if method in USES_DRAFT_MODEL else None
+        if draft_adapter is not None and method not in USES_DRAFT_MODEL:
+            raise SpecdecodeError("--draft-adapter applies to --method draft or hybrid (a LoRA adapter of the draft "
+                                  "model)")
         plan = plan_load(target, draft, dtype, device, quantize, draft_quantize, weights)
         model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
         draft_model = None
@@ -184,9 +185,11 @@ def build_drafter(method: str, target: torch.nn.Module, draft_model: torch.nn.Mo
     tree = (shape or default_shape(method)) == "tree"
     if method in TRAINED:
         return DRAFTERS[method].load(heads, target, **({} if tree else {"width": 1}))
-    if method == "draft":
-        return DRAFTERS[method](draft_model, vocab_size=target.config.vocab_size, min_confidence=DRAFT_MIN_CONFIDENCE,
-                                width=TREE_WIDTH if tree else 1, expand=TREE_EXPAND if tree else 1)
+    if method in USES_DRAFT_MODEL:
+        drafter = DraftModelDrafter(draft_model, vocab_size=target.config.vocab_size,
+                                    min_confidence=DRAFT_MIN_CONFIDENCE, width=TREE_WIDTH if tree else 1,
+                                    expand=TREE_EXPAND if tree else 1)
+        return HybridDrafter(drafter, max_ngram) if method == "hybrid" else drafter
     if method == "ngram":
         return DRAFTERS[method](max_ngram=max_ngram, branches=NGRAM_TREE_BRANCHES if tree else 1)
     return DRAFTERS[method]()

@@ -16,7 +16,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model and drafter options shared by generate, serve and bench."""
     p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
     p.add_argument("--draft", default=None,
-                   help=f"--method draft: the draft model (same tokenizer; default {DEFAULT_DRAFT}); --method "
+                   help=f"--method draft or hybrid: the draft model (same tokenizer; default {DEFAULT_DRAFT}); --method "
                         "eagle or medusa: the folder `specdecode train` wrote")
     p.add_argument("--draft-adapter", default=None, metavar="DIR",
                    help="a LoRA adapter for the draft model (`specdecode train draft`)")
@@ -26,7 +26,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "costs on this machine, measured once and cached)")
     p.add_argument("--draft-shape", default=None, choices=list(DRAFT_SHAPES),
                    help="tree: several guesses per position, verified at once; chain: one guess per position "
-                        "(default: chain for draft, tree for ngram, eagle and medusa)")
+                        "(default: chain for draft and hybrid, tree for ngram, eagle and medusa)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_weight_args(p)

@@ -11,7 +11,7 @@ import specdecode.batch as batch_module
 from specdecode.batch import BatchEngine
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
-from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
@@ -90,6 +90,17 @@ def test_greedy_output_is_the_same_batched_or_alone(target, draft, monkeypatch, 
         if params.greedy:
             plain = [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
             assert together[i] == plain, i
+
+
+@needs_kernels
+def test_hybrid_drafters_in_a_batch_give_the_plain_output(target, draft):
+    """Requests whose drafters switch between copying and the draft model (whose forwards are batched only in
+    the steps they draft with it) still give plain decoding's tokens."""
+    make = lambda: HybridDrafter(DraftModelDrafter(draft, vocab_size=64))  # noqa: E731
+    requests = [(prompt, SamplingParams(max_new_tokens=24)) for prompt in PROMPTS]
+    together = run_batch(BatchEngine(target, make, None, costs=CPU_LIKE), requests, arrivals=[0, 1, 1, 3])
+    for (prompt, params), out in zip(requests, together):
+        assert out == [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
 
 
 @needs_kernels

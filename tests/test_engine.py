@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import Engine
 from specdecode.masks import chain_mask
 from tiny import tiny_native
@@ -53,6 +53,8 @@ def drafters(target):
         "draft-model-llama": DraftModelDrafter(tiny_native("llama", seed=2), vocab_size=64),
         "draft-model-adaptive": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, min_confidence=0.03),
         "self-draft": DraftModelDrafter(target, vocab_size=64),
+        "hybrid": HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64)),
+        "hybrid-tree": HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, width=2)),
         "always-right": ScriptedDrafter(lambda toks, k: full[len(toks): len(toks) + k]),
         "always-wrong": ScriptedDrafter(lambda toks, k: [(full[len(toks) + i] + 1) % 64 for i in range(k)]),
         "empty": ScriptedDrafter(lambda toks, k: []),
@@ -191,6 +193,34 @@ def test_sampled_drafts_cut_per_step_keep_the_targets_marginal(width):
         drafted += engine.stats.drafted_tokens
     assert drafted >= trials  # the chooser did verify drafts
     assert abs(zeros / trials - 0.5) < l1_bound(2, trials) / 2
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_hybrid_output_distribution_is_the_targets_whichever_drafter_proposes(auto):
+    """A repetitive prompt gives the n-gram matches: steps switch between copying and the draft model (both are
+    checked to happen), and the outputs keep the target's distribution."""
+    vocab, eos, trials, length = 4, 3, 6000, 4
+    target_chain, draft_chain = random_chain(vocab, 10), random_chain(vocab, 11, sharpness=2.0)
+    prompt = [0, 1, 2, 0, 1, 0, 2, 1, 0, 1]
+    params = SamplingParams(temperature=1.0, max_new_tokens=length)
+    exact = exact_sequence_probs(target_chain, start=prompt[-1], length=length, eos=eos)
+    drafter = HybridDrafter(DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab))
+    used = {"copy": 0, "model": 0}
+    for kind, part in (("copy", drafter.ngram), ("model", drafter.draft)):
+        def counted(accepted, verified=None, commit=part.commit, kind=kind):
+            used[kind] += 1
+            commit(accepted, verified)
+        part.commit = counted
+    engine = Engine(BigramModel(target_chain, eos=(eos,)), drafter, num_draft_tokens=None if auto else 3,
+                    costs=CostCurve((1.0, 1.1, 1.2, 1.3)) if auto else None)
+    counts: dict[tuple, int] = {}
+    for i in range(trials):
+        out = tuple(run(engine, prompt, SamplingParams(**{**params.__dict__, "seed": i})))
+        counts[out] = counts.get(out, 0) + 1
+    assert used["copy"] > trials / 10 and used["model"] > trials / 10, used
+    assert set(counts) <= set(exact)
+    l1 = sum(abs(counts.get(seq, 0) / trials - p) for seq, p in exact.items())
+    assert l1 < l1_bound(len(exact), trials), l1
 
 
 def test_ngram_matches_merge_into_a_trie():

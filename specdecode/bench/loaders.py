@@ -41,7 +41,7 @@ BASELINE = "none"
 HF_METHODS: dict[str, str | None] = {"hf": None, "hf-assisted": "draft", "hf-pld": "ngram"}
 MIRRORS = HF_METHODS | {"llamacpp": None, "llamacpp-lookup": "ngram"}
 SHAPED = ("draft", "ngram", "eagle")  # our methods that draft chains or trees
-NEEDS_DRAFT = {"draft", "draft-chain", "draft-tree", "draft-lora", "hf-assisted"}
+NEEDS_DRAFT = {"draft", "draft-chain", "draft-tree", "draft-lora", "hybrid", "hf-assisted"}
 # The draft model with a LoRA adapter (`--draft-adapter`), beside the untuned `draft` in the same run.
 TUNED_DRAFT = "draft-lora"
 REFERENCE_NUM_DRAFT_TOKENS = {"draft": 5, "ngram": 4}

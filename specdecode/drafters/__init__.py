@@ -3,6 +3,7 @@
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.none import NoDrafter
@@ -11,10 +12,12 @@ DRAFTERS: dict[str, type] = {
     "none": NoDrafter,
     "draft": DraftModelDrafter,
     "ngram": NgramDrafter,
+    "hybrid": HybridDrafter,  # prompt lookup where the context repeats, the draft model elsewhere
     "eagle": EagleDrafter,  # trained heads: --draft is the folder `specdecode train` wrote
     "medusa": MedusaDrafter,
 }
 
-__all__ = ["DRAFTERS", "Draft", "DraftContext", "Drafter", "DraftModelDrafter", "EagleDrafter", "MedusaDrafter",
+__all__ = ["DRAFTERS", "Draft", "DraftContext", "Drafter", "DraftModelDrafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter",
            "NgramDrafter", "NoDrafter"]
 TRAINED = ("eagle", "medusa")  # methods whose --draft is a trained head folder
+USES_DRAFT_MODEL = ("draft", "hybrid")  # methods whose --draft is a draft model

@@ -1,0 +1,125 @@
+"""Prompt lookup where the context repeats, the draft model elsewhere: each step drafts with whichever is expected
+to make more tokens per second.
+
+Copying is free and, where text repeats (code that reuses its names, an answer rewritten in a second turn), it
+guesses long runs right; a draft model costs a forward per guess (~0.4 of the target's on a CPU) but guesses
+well everywhere. So the n-gram draft is looked up first and valued through the verify cost curve: its best nodes
+are expected to make (1 + sum of their scores) tokens in C(nodes + 1) seconds (the scores: the share of earlier
+matches through a node times the request's running rate of accepted copies). The draft model is valued by its own
+record in this request: the tokens its steps made over the seconds they took (its forwards plus the verify
+forward). The n-gram drafts when its value is at least the draft model's. Only matches of two tokens or more are
+looked up: a one-token match guesses little better than chance, and the draft model guesses better there.
+
+The draft model sits out the steps the n-gram takes and feeds what it missed in one forward when it drafts
+again; that catching up is not charged to its record (the copies that caused it made their tokens for free).
+Which drafter proposes depends only on the context and on past steps, never on a draw of this step, so the
+verifier's guarantees hold as for either drafter alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import torch
+
+from specdecode.drafters.base import Draft, DraftContext
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.lockstep import run_alone
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.model import Part
+
+MIN_NGRAM = 2
+NGRAM_BRANCHES = 4  # earlier matches merged into the n-gram's tree, as the ngram method's default tree
+PRIOR_SPEEDUP = 1.3  # the draft model's value before its first step: tokens per one-token forward's time
+RECORD_WEIGHT = 0.25  # weight of the newest step in the draft model's running record
+FIXED_MIN_SCORE = 0.5  # without a cost curve: copy when the first copied token is at least this likely
+
+
+class HybridDrafter:
+    def __init__(self, draft: DraftModelDrafter, max_ngram: int = 3) -> None:
+        self.draft = draft
+        self.ngram = NgramDrafter(max_ngram=max(max_ngram, MIN_NGRAM), min_ngram=MIN_NGRAM, branches=NGRAM_BRANCHES)
+        self.reset()
+
+    @property
+    def model(self) -> torch.nn.Module:  # the batch engine batches the draft model's forwards across requests
+        return self.draft.model
+
+    @property
+    def shape(self) -> str:
+        return self.draft.shape
+
+    def fork(self) -> HybridDrafter:
+        return HybridDrafter(self.draft.fork(), self.ngram.max_ngram)
+
+    def reset(self) -> None:
+        self.draft.reset()
+        self.ngram.reset()
+        self.used: NgramDrafter | DraftModelDrafter | None = None
+        self.record_tokens = self.record_seconds = 0.0  # running means per draft-model step (0: no step yet)
+        self.forwards = 0  # draft-model forwards in its last draft, catching up excluded
+        self.catching_up = False  # the forward now running feeds what the draft model missed
+        self.costs = None
+
+    def behind(self, tokens: list[int]) -> int:
+        return self.draft.behind(tokens)
+
+    def forward_took(self, seconds: float) -> None:
+        if not self.catching_up:  # many rows at once: not what a draft forward costs
+            self.draft.forward_took(seconds)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        return run_alone(self.drafting(ctx, max_tokens), self.draft.model, self)
+
+    def drafting(self, ctx: DraftContext, max_tokens: int) -> Generator[Part, torch.Tensor, Draft]:
+        """`propose` as a generator of draft-model forwards (none when the n-gram drafts), as the draft model's."""
+        self.costs = ctx.costs
+        copied = self.ngram.propose(ctx, max_tokens)
+        if len(copied) and self._copy_is_worth_more(copied, max_tokens):
+            self.used = self.ngram
+            return copied
+        self.used, self.forwards = self.draft, 0
+        steps = self.draft.drafting(ctx, max_tokens)
+        try:
+            part, first = next(steps), True
+            while True:
+                # The first feed is the root (and the last token of a fully accepted draft); more rows than that
+                # are a prompt or steps the draft model sat out.
+                self.catching_up = first and part.tokens.numel() > 2
+                self.forwards += not self.catching_up
+                logits = yield part
+                part, first = steps.send(logits), False
+        except StopIteration as done:
+            self.catching_up = False
+            return done.value
+
+    def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
+        if self.used is None:
+            return
+        self.used.commit(accepted, verified)
+        if self.used is self.draft and self.costs is not None:
+            rows = 1 + (len(verified) if verified is not None else len(self.draft.kept))
+            seconds = self.forwards * self.draft.forward_s + self.costs.cost(rows)
+            self._record(len(accepted) + 1.0, seconds)
+
+    def _record(self, tokens: float, seconds: float) -> None:
+        if self.record_seconds == 0.0:
+            self.record_tokens, self.record_seconds = tokens, seconds
+            return
+        w = RECORD_WEIGHT
+        self.record_tokens = (1 - w) * self.record_tokens + w * tokens
+        self.record_seconds = (1 - w) * self.record_seconds + w * seconds
+
+    def _copy_is_worth_more(self, copied: Draft, max_tokens: int) -> bool:
+        costs = self.costs
+        if costs is None:
+            return copied.scores[0] >= FIXED_MIN_SCORE
+        ranked = sorted(copied.scores, reverse=True)[:max_tokens]
+        n = costs.best_count(ranked)
+        copy_rate = (1.0 + sum(ranked[:n])) / costs.cost(n + 1)
+        if self.record_seconds == 0.0:
+            draft_rate = PRIOR_SPEEDUP / costs.cost(1)
+        else:
+            draft_rate = self.record_tokens / self.record_seconds
+        return n > 0 and copy_rate >= draft_rate
