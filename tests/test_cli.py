@@ -34,7 +34,7 @@ def test_bad_input_is_one_clear_line(args, words):
 def test_generate_json_on_smollm2_is_lossless_across_methods():
     outputs = {}
     for name, method, shape in (("none", "none", "chain"), ("ngram", "ngram", "tree"), ("draft", "draft", "chain"),
-                                ("draft-tree", "draft", "tree")):
+                                ("draft-tree", "draft", "tree"), ("hybrid", "hybrid", "chain")):
         result = cli("generate", "Write a Python function that adds two numbers.", "--chat", "--json",
                      "--target", SMOL, "--draft", SMOL, "--method", method, "--max-new-tokens", "24",
                      "--dtype", "float32", "--draft-quantize", "none", "--draft-shape", shape)
@@ -44,7 +44,7 @@ def test_generate_json_on_smollm2_is_lossless_across_methods():
         for key in ("new_tokens", "wall_s", "acceptance_rate", "mean_accepted_length"):
             assert key in out["stats"]
         outputs[name] = out
-    for name in ("ngram", "draft", "draft-tree"):
+    for name in ("ngram", "draft", "draft-tree", "hybrid"):
         assert outputs[name]["token_ids"] == outputs["none"]["token_ids"], name
     assert outputs["draft"]["stats"]["acceptance_rate"] == 1.0  # the draft is the target itself
     tree = outputs["draft-tree"]["stats"]  # every step's best path is accepted whole; siblings never are
