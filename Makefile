@@ -21,7 +21,7 @@ dev: setup
 
 demo: setup
 	$(BIN)/specdecode models pull qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
-	$(BIN)/specdecode generate --chat --method draft "$(PROMPT)"
+	$(BIN)/specdecode generate --chat --method hybrid "$(PROMPT)"
 
 # Debian's chromium for the playground's browser test. Never fails: without root or apt-get the test skips, saying why.
 browser:

@@ -1,7 +1,7 @@
 """The public Python API: load a target and a drafter, then generate text with speculation statistics.
 
     from specdecode import SpecDecoder, SamplingParams
-    sd = SpecDecoder.load("qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct", method="draft")
+    sd = SpecDecoder.load("qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct", method="hybrid")
     result = sd.generate("def fib(n):", SamplingParams(max_new_tokens=64))
     print(result.text, result.stats.acceptance_rate)
 
@@ -71,7 +71,7 @@ class SpecDecoder:
         self.engine = Engine(target, drafter, num_draft_tokens, max_len, costs)
 
     @classmethod
-    def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = "draft",
+    def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = "hybrid",
              num_draft_tokens: int | None = None, dtype: str = "auto", device: str = "cpu",
              max_len: int = 8192, max_ngram: int = 3, quantize: str = "none",
              draft_quantize: str = "auto", weights: str = "auto", draft_shape: str | None = None,

@@ -20,7 +20,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "eagle or medusa: the folder `specdecode train` wrote")
     p.add_argument("--draft-adapter", default=None, metavar="DIR",
                    help="a LoRA adapter for the draft model (`specdecode train draft`)")
-    p.add_argument("--method", default="draft", choices=list(DRAFTERS), help="how tokens are drafted")
+    p.add_argument("--method", default="hybrid", choices=list(DRAFTERS),
+                   help="how tokens are drafted (hybrid: prompt lookup where it pays, else the draft model)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="draft tokens verified per step (default: chosen each step from what a verify forward "
                         "costs on this machine, measured once and cached)")
