@@ -136,6 +136,23 @@ def test_cache_matches_a_fresh_prefill_after_every_step(target, width):
         assert drafter_cache is None or drafter_cache.length <= len(tokens)
 
 
+def test_draft_forward_time_leaves_out_the_prompt_and_catching_up(target, monkeypatch):
+    """What one draft forward costs (the budget's estimate) is learnt from one-depth forwards only: the draft's
+    prompt and the steps it sat out go in as many rows at once, and on the CPU as decode rows too."""
+    from specdecode.drafters.base import DraftContext
+    from specdecode.drafters.tree_growth import GrowsTrees
+
+    timed = []
+    monkeypatch.setattr(GrowsTrees, "forward_took", lambda self, seconds: timed.append(seconds))
+    drafter = DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64)
+    params = SamplingParams(max_new_tokens=8)
+    draft = drafter.propose(DraftContext(PROMPT, params, None), 4)  # the prompt, the root, then 3 deeper forwards
+    assert len(draft) == 4 and drafter.forwards == 4 and len(timed) == 4
+    drafter.commit([0, 1, 2, 3])
+    drafter.propose(DraftContext(PROMPT + draft.tokens.tolist() + [5, 6, 7], params, None), 2)  # sat out 2 steps
+    assert drafter.forwards == 1 and len(timed) == 5  # the catching up is not timed, the one deeper forward is
+
+
 def test_sampling_with_seed_is_reproducible(target):
     params = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=123)
     engine = Engine(target, DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64))

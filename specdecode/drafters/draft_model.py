@@ -55,6 +55,8 @@ class DraftModelDrafter(GrowsTrees):
         self.nodes: list[Node] = []  # the last draft's nodes, before the budget cut
         self.kept: list[int] = []  # which of them went into the Draft, in its order
         self.forward_s = 0.0  # running estimate of one draft forward's seconds
+        self.forwards = 0  # forwards of the last draft, its catching up excluded
+        self.catching_up = False  # the forward now running feeds a prompt or steps this drafter sat out
 
     @property
     def shape(self) -> str:
@@ -77,18 +79,24 @@ class DraftModelDrafter(GrowsTrees):
         """`propose` as a generator: it yields each draft forward it needs (a Part over this drafter's cache), is
         sent that forward's logits, and returns the Draft. One request alone runs it with `run_alone`; the batch
         engine runs every request's at once, their forwards batched into one (`run_batched`)."""
+        self.forwards = 0
         if max_tokens <= 0:
             return Draft.empty()
         started = time.perf_counter()
         self._ensure_capacity(len(ctx.tokens) + self.max_depth * self.expand + 1)
         pending = ctx.tokens[self.cache.length :]  # [>= 1] tokens not yet in the draft cache
+        self.catching_up = True
         if self.cache.length == 0 and len(pending) > 1:
             # Each position computed as the target computes it (its prompt as the target reads its own), every later
             # token as a one-row decode. With 8-bit activations a last-bit difference can flip a rounding, and a
             # draft that rounds like the target guesses more of its near-ties right.
             yield self._chain_part(pending[:-1], decode=prompt_as_decode_rows(self.model))
             pending = pending[-1:]
+        # The root, and the last token of a fully accepted draft: more than that are steps it sat out.
+        self.catching_up = len(pending) > 2
+        self.forwards += not self.catching_up
         logits = yield self._chain_part(pending)  # [1, vocab] after the root
+        self.catching_up = False
         self.base_length = self.cache.length
         return (yield from self._grow_tree(logits, ctx, max_tokens, started, self._nodes_part))
 
@@ -112,8 +120,13 @@ class DraftModelDrafter(GrowsTrees):
         else:
             self.cache.truncate(self.base_length + len(slots))
 
+    def forward_took(self, seconds: float) -> None:
+        if not self.catching_up:  # many rows at once: not what a draft forward costs
+            super().forward_took(seconds)
+
     def _nodes_part(self, expand: list[int], nodes: list[Node]) -> Part:
         """One draft forward over the nodes `expand` (one depth), each seeing the prefix and its ancestors."""
+        self.forwards += 1
         ids, positions, mask = self._place(expand, nodes, self.cache.length, self.base_length, self.model.device)
         return Part(ids, positions, self.cache, mask[None, None])
 

@@ -11,7 +11,8 @@ forward). The n-gram drafts when its value is at least the draft model's. Only m
 looked up: a one-token match guesses little better than chance, and the draft model guesses better there.
 
 The draft model sits out the steps the n-gram takes and feeds what it missed in one forward when it drafts
-again; that catching up is not charged to its record (the copies that caused it made their tokens for free).
+again; that catching up is not charged to its record (the draft model leaves it out of its forward count and
+its time per forward).
 Which drafter proposes depends only on the context and on past steps, never on a draw of this step, so the
 verifier's guarantees hold as for either drafter alone.
 """
@@ -57,16 +58,13 @@ class HybridDrafter:
         self.ngram.reset()
         self.used: NgramDrafter | DraftModelDrafter | None = None
         self.record_tokens = self.record_seconds = 0.0  # running means per draft-model step (0: no step yet)
-        self.forwards = 0  # draft-model forwards in its last draft, catching up excluded
-        self.catching_up = False  # the forward now running feeds what the draft model missed
         self.costs = None
 
     def behind(self, tokens: list[int]) -> int:
         return self.draft.behind(tokens)
 
     def forward_took(self, seconds: float) -> None:
-        if not self.catching_up:  # many rows at once: not what a draft forward costs
-            self.draft.forward_took(seconds)
+        self.draft.forward_took(seconds)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -79,20 +77,8 @@ class HybridDrafter:
         if len(copied) and self._copy_is_worth_more(copied, max_tokens):
             self.used = self.ngram
             return copied
-        self.used, self.forwards = self.draft, 0
-        steps = self.draft.drafting(ctx, max_tokens)
-        try:
-            part, first = next(steps), True
-            while True:
-                # The first feed is the root (and the last token of a fully accepted draft); more rows than that
-                # are a prompt or steps the draft model sat out.
-                self.catching_up = first and part.tokens.numel() > 2
-                self.forwards += not self.catching_up
-                logits = yield part
-                part, first = steps.send(logits), False
-        except StopIteration as done:
-            self.catching_up = False
-            return done.value
+        self.used = self.draft
+        return (yield from self.draft.drafting(ctx, max_tokens))
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         if self.used is None:
@@ -100,7 +86,7 @@ class HybridDrafter:
         self.used.commit(accepted, verified)
         if self.used is self.draft and self.costs is not None:
             rows = 1 + (len(verified) if verified is not None else len(self.draft.kept))
-            seconds = self.forwards * self.draft.forward_s + self.costs.cost(rows)
+            seconds = self.draft.forwards * self.draft.forward_s + self.costs.cost(rows)
             self._record(len(accepted) + 1.0, seconds)
 
     def _record(self, tokens: float, seconds: float) -> None:
@@ -117,9 +103,11 @@ class HybridDrafter:
             return copied.scores[0] >= FIXED_MIN_SCORE
         ranked = sorted(copied.scores, reverse=True)[:max_tokens]
         n = costs.best_count(ranked)
+        if n == 0:
+            return False
         copy_rate = (1.0 + sum(ranked[:n])) / costs.cost(n + 1)
         if self.record_seconds == 0.0:
             draft_rate = PRIOR_SPEEDUP / costs.cost(1)
         else:
             draft_rate = self.record_tokens / self.record_seconds
-        return n > 0 and copy_rate >= draft_rate
+        return copy_rate >= draft_rate
