@@ -13,10 +13,10 @@
 //        (5 bits: only the lower bit of each field is set), 16 vectors
 //   sc:  [256 / G][16] int8 sub-block scales;  mn: [256 / G / 2][16][2] int8 mins, sub-blocks in pairs
 //   d, dmin: [16] float16, as the file has them
-// Q6_K has no mins: its offset of 32 is subtracted from each sub-block's integer sum (sum - 32 x the sub-block's
-// activation codes) before the scale, so it keeps neither mn nor dmin. Per 256 x 16 weights that is 3,360 bytes
-// for Q6_K and 2,368 for Q4_K (the file: 3,360 and 2,304): a one-token forward reads about what llama.cpp reads.
-// Activations: int8 codes per 256 (scale xd), and sums of the codes per sub-block as int16 pairs.
+// Q6_K has no mins: its offset of 32 comes off as 32 x (sum over sub-blocks of scale x the sub-block's activation
+// codes), an integer term like Q4_K's min term, so it keeps neither mn nor dmin. Per 256 x 16 weights that is
+// 3,360 bytes for Q6_K and 2,368 for Q4_K (the file: 3,360 and 2,304): a one-token forward reads about what
+// llama.cpp reads. Activations: int8 codes per 256 (scale xd), and sums of the codes per sub-block as int16 pairs.
 //
 // Every output y[m, n] is reduced in one fixed order (superblocks in order, integer sums exact), whatever M is, so
 // rows are bit-identical to one-row calls.
@@ -142,12 +142,16 @@ template <int BITS, int G, int TILE>
 void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
   constexpr int nsub = 256 / G, chunks = G / 4;
   const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  const int8_t* rows[TILE];  // each activation row's codes and sub-block sums
+  const int32_t* row_pairs[TILE];
+  for (int t = 0; t < TILE; ++t) rows[t] = a.q + (m0 + t) * a.K, row_pairs[t] = a.pairs + (m0 + t) * (a.K / G / 2);
   __m512 acc[TILE];
   for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < w.nsb; ++sb) {
     const int64_t at = cg * w.nsb + sb;
     const uint8_t* lo = w.lo + at * 32 * 64;
     const uint8_t* hi = BITS > 4 ? w.hi + at * 16 * 64 : nullptr;
+    const int8_t* sc = w.sc + at * nsub * 16;
     if (m0 == 0) {  // the next superblock's codes, ahead of use (the hardware prefetcher alone falls short)
       for (int line = 0; line < 32; ++line) _mm_prefetch(reinterpret_cast<const char*>(lo + (32 + line) * 64), _MM_HINT_T0);
       if constexpr (BITS > 4)
@@ -155,6 +159,20 @@ void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y
     }
     __m512i isum[TILE];
     for (int t = 0; t < TILE; ++t) isum[t] = _mm512_setzero_si512();
+    if constexpr (BITS == 6) {
+      // Q6_K's codes are stored + 32: sum over u of scale[u] (S[u] - 32 codes_sum[u]) = sum of scale[u] S[u] - 32 x
+      // (sum of scale[u] codes_sum[u]). That last sum goes first, two sub-blocks a step as Q4_K's min terms do,
+      // with the scales of sub-blocks 2 p, 2 p + 1 interleaved per channel; integer sums, the result unchanged.
+      const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                  23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      for (int p = 0; p < nsub / 2; ++p) {
+        const __m512i both = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + p * 32)));
+        const __m512i scales = _mm512_permutexvar_epi16(interleave, both);
+        for (int t = 0; t < TILE; ++t)
+          isum[t] = _mm512_dpwssd_epi32(isum[t], scales, _mm512_set1_epi32(row_pairs[t][sb * (nsub / 2) + p]));
+      }
+      for (int t = 0; t < TILE; ++t) isum[t] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(isum[t], 5));
+    }
     for (int u = 0; u < nsub; ++u) {
       // Few rows: two accumulators per row (even and odd chunks), so vpdpbusd's latency is not one long chain.
       // Integer sums: the split changes no bit of the result.
@@ -162,35 +180,32 @@ void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y
       __m512i part[kSplit][TILE];
       for (int h = 0; h < kSplit; ++h)
         for (int t = 0; t < TILE; ++t) part[h][t] = _mm512_setzero_si512();
+      // this sub-block's vectors and activations; offsets within it are constants once the loop below unrolls
+      const uint8_t* lo_u = lo + static_cast<size_t>(u) * (chunks / 2) * 64;
+      const uint8_t* hi_u = BITS > 4 ? hi + static_cast<size_t>(u) * (chunks / 4) * 64 : nullptr;
+      const size_t col = static_cast<size_t>(sb) * 256 + static_cast<size_t>(u) * G;
       // Unrolled in full, whatever TILE: left to itself the compiler stops unrolling at 7 rows, and the chunk
       // arithmetic it then does at run time cost those rows a sixth more.
 #pragma GCC unroll 16
-      for (int j = 0; j < chunks; ++j) {
-        const int chunk = u * chunks + j;
-        const __m512i packed = _mm512_loadu_si512(lo + (chunk / 2) * 64);
-        __m512i codes = _mm512_and_si512(chunk % 2 ? _mm512_srli_epi16(packed, 4) : packed, low4);
+      for (int j = 0; j < chunks; ++j) {  // chunks is a multiple of 4: chunk % 2 and chunk % 4 are j's
+        const __m512i packed = _mm512_loadu_si512(lo_u + (j / 2) * 64);
+        __m512i codes = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, low4);
         if constexpr (BITS > 4) {
-          const __m512i high = _mm512_loadu_si512(hi + (chunk / 4) * 64);
+          const __m512i high = _mm512_loadu_si512(hi_u + (j / 4) * 64);
           // field j of each byte moved to bits 4, 5 (one shift, none for j = 2; 16-bit lanes carry nothing
           // into bits 4, 5 of the other byte), then codes | (that & 0x30) in one ternary-logic instruction
-          const int j = chunk % 4;
-          const __m512i moved = j == 0 ? _mm512_slli_epi16(high, 4) : j == 1 ? _mm512_slli_epi16(high, 2)
-                                : j == 2 ? high : _mm512_srli_epi16(high, 2);
+          const int f = j % 4;
+          const __m512i moved = f == 0 ? _mm512_slli_epi16(high, 4) : f == 1 ? _mm512_slli_epi16(high, 2)
+                                : f == 2 ? high : _mm512_srli_epi16(high, 2);
           codes = _mm512_ternarylogic_epi32(codes, moved, bits45, 0xF8);  // a | (b & c)
         }
 #pragma GCC unroll 16
         for (int t = 0; t < TILE; ++t)
-          part[j % kSplit][t] = _mm512_dpbusd_epi32(part[j % kSplit][t], codes,
-                                                    bcast4(a.q + (m0 + t) * a.K + sb * 256 + 4 * chunk));
+          part[j % kSplit][t] = _mm512_dpbusd_epi32(part[j % kSplit][t], codes, bcast4(rows[t] + col + 4 * j));
       }
-      const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (at * nsub + u) * 16)));
+      const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + u * 16)));
       for (int t = 0; t < TILE; ++t) {
-        __m512i sum = kSplit == 2 ? _mm512_add_epi32(part[0][t], part[kSplit - 1][t]) : part[0][t];
-        if constexpr (BITS == 6) {  // codes are stored + 32: take 32 x the sub-block's activation codes back off
-          const int32_t pair = a.pairs[(m0 + t) * (a.K / G / 2) + sb * (nsub / 2) + u / 2];
-          const int32_t codes_sum = u % 2 ? pair >> 16 : static_cast<int16_t>(pair & 0xFFFF);
-          sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(32 * codes_sum));
-        }
+        const __m512i sum = kSplit == 2 ? _mm512_add_epi32(part[0][t], part[kSplit - 1][t]) : part[0][t];
         isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sum, scale));
       }
     }
@@ -207,7 +222,7 @@ void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y
     for (int p = 0; p < nsub / 2; ++p) {
       const __m512i mins = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mn + (at * (nsub / 2) + p) * 32)));
       for (int t = 0; t < TILE; ++t)
-        imin[t] = _mm512_dpwssd_epi32(imin[t], mins, _mm512_set1_epi32(a.pairs[(m0 + t) * (a.K / G / 2) + sb * (nsub / 2) + p]));
+        imin[t] = _mm512_dpwssd_epi32(imin[t], mins, _mm512_set1_epi32(row_pairs[t][sb * (nsub / 2) + p]));
     }
     const __m512 dmin = load_f16x16(w.dmin + at * 16);
     for (int t = 0; t < TILE; ++t) {
