@@ -107,6 +107,21 @@ inline __m512i chunk_codes(const Weight& w, int64_t at, int j) {
   return codes;
 }
 
+// Block `at`'s bytes, asked for kAhead blocks (5-8 KB) before use, non-temporal: as quant_c16_cpu.cpp does and
+// for the same reasons; one line two blocks ahead left the draft model's one-token forward ~35% slower. Always
+// inlined: GCC 12 takes a function that only prefetches for one without effects and drops its calls.
+constexpr int kAhead = 16;
+
+template <int BITS, int OFF>
+__attribute__((always_inline)) inline void prefetch_block(const Weight& w, int64_t at) {
+  constexpr int lines = BITS == 8 ? 8 : 4;
+  for (int line = 0; line < lines; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(w.codes + (at * lines + line) * 64), _MM_HINT_NTA);
+  if constexpr (BITS == 5) _mm_prefetch(reinterpret_cast<const char*>(w.hi + at * 64), _MM_HINT_NTA);
+  _mm_prefetch(reinterpret_cast<const char*>(w.d + at * 16), _MM_HINT_NTA);
+  if constexpr (OFF == 0) _mm_prefetch(reinterpret_cast<const char*>(w.dmin + at * 16), _MM_HINT_NTA);
+}
+
 // OFF > 0: w = d * (code - OFF); OFF == 0: w = d * code - dmin
 template <int BITS, int OFF, int TILE>
 void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
@@ -115,7 +130,7 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
   for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.nb; ++b) {
     const int64_t at = cg * w.nb + b;
-    if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w.codes + (at + 2) * (BITS == 8 ? 8 : 4) * 64), _MM_HINT_T0);
+    if (m0 == 0) prefetch_block<BITS, OFF>(w, at + kAhead);
     __m512i part[kSplit][TILE];
     for (int s = 0; s < kSplit; ++s)
       for (int t = 0; t < TILE; ++t) part[s][t] = _mm512_setzero_si512();
