@@ -167,3 +167,28 @@ def test_sampled_tree_first_token_follows_the_target():
     for _ in range(trials):
         counts[int(verify_tree(logits, tokens, parents, None, params, gen).emitted[0])] += 1
     assert (counts / trials - target).abs().sum() < l1_bound(vocab, trials)
+
+
+def test_top_p_over_the_likeliest_tokens_keeps_what_a_full_sort_keeps():
+    """The nucleus is looked for among the likeliest 256, then 4,096 tokens, then all: rows of each kind."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, top_p = 20_000, 0.9
+    logits = torch.randn(6, vocab, generator=gen) * torch.tensor([12.0, 9.0, 3.0, 2.0, 0.5, 30.0])[:, None]
+    probs = logits.softmax(-1)
+    ranked, order = probs.sort(dim=-1, descending=True)
+    expected = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, ranked.cumsum(-1) - ranked < top_p)
+    got = to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)) > 0
+    kept = expected.sum(-1)
+    assert kept.min() < 256 and ((kept > 256) & (kept < 4096)).any() and kept.max() > 4096  # every path taken
+    assert torch.equal(got, expected)
+
+
+def test_sample_over_a_few_tokens_of_a_large_vocabulary():
+    """After top-p only a few tokens keep probability: the draw runs over those alone, and follows them."""
+    probs = torch.zeros(3, 5_000)
+    probs[:, [17, 4_000, 4_999]] = torch.tensor([0.2, 0.5, 0.3])
+    draws = torch.cat([sample(probs, make_generator(seed)) for seed in range(4_000)])
+    freq = torch.bincount(draws, minlength=5_000).double() / draws.numel()
+    assert freq.sum() == freq[[17, 4_000, 4_999]].sum()  # nothing else is ever drawn
+    expected = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    assert (freq[[17, 4_000, 4_999]] - expected).abs().sum() < l1_bound(3, draws.numel())
