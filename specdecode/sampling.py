@@ -41,18 +41,18 @@ def _outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
             break
         top_probs, order = probs[todo].topk(k, dim=-1)  # sorted, likeliest first
         reached = top_probs.sum(-1) >= top_p
-        rows = todo[reached]
-        keep[rows] = torch.zeros_like(keep[rows]).scatter_(-1, order[reached], _inside(top_probs[reached], top_p))
+        keep[todo[reached]] = _nucleus(top_probs[reached], order[reached], probs.shape[-1], top_p)
         todo = todo[~reached]
     if todo.numel():
-        ranked, order = probs[todo].sort(dim=-1, descending=True)
-        keep[todo] = torch.zeros_like(keep[todo]).scatter_(-1, order, _inside(ranked, top_p))
+        keep[todo] = _nucleus(*probs[todo].sort(dim=-1, descending=True), probs.shape[-1], top_p)
     return ~keep.view(logits.shape)
 
 
-def _inside(ranked: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Probabilities ranked likeliest first -> whether each is in the nucleus (the mass above it is < top_p)."""
-    return ranked.cumsum(-1) - ranked < top_p
+def _nucleus(ranked: torch.Tensor, order: torch.Tensor, vocab: int, top_p: float) -> torch.Tensor:
+    """Rows of probabilities ranked likeliest first (and their token ids) -> [rows, vocab] True for the tokens in
+    the nucleus: those with less than top_p of mass ranked above them."""
+    inside = ranked.cumsum(-1) - ranked < top_p
+    return torch.zeros(ranked.shape[0], vocab, dtype=torch.bool, device=ranked.device).scatter_(-1, order, inside)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

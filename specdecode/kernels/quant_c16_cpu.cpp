@@ -144,28 +144,24 @@ inline __m512i bcast4(const int8_t* p) {
 // rather than all at once: measured on the 1.5B target, 2 threads, ms for its linear layers at M = 1 / 4 / 8:
 // one superblock ahead into L1 at once 29 / - / 49; three ahead, non-temporal, at once 24 / 34 / 45; spread
 // 19 / 26 / 39. Prefetches never fault, so the last superblocks of a tensor may point past its end.
-// Always inlined: GCC 12 takes a function that only prefetches for one without effects and drops its calls.
 constexpr int kAhead = 3;
-
-__attribute__((always_inline)) inline void prefetch_line(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
-}
+using specdecode::prefetch_nta;
 
 template <int BITS, int nsub>  // scales, mins and d: once per superblock
-__attribute__((always_inline)) inline void prefetch_scales(const C16Weight& w, int64_t at) {
-  for (int line = 0; line < nsub * 16 / 64; ++line) prefetch_line(w.sc + at * nsub * 16 + line * 64);
-  prefetch_line(w.d + at * 16);
+SPECDECODE_PREFETCHES void prefetch_scales(const C16Weight& w, int64_t at) {
+  for (int line = 0; line < nsub * 16 / 64; ++line) prefetch_nta(w.sc + at * nsub * 16 + line * 64);
+  prefetch_nta(w.d + at * 16);
   if constexpr (BITS != 6) {
-    for (int line = 0; line < nsub * 16 / 64; ++line) prefetch_line(w.mn + at * nsub * 16 + line * 64);
-    prefetch_line(w.dmin + at * 16);
+    for (int line = 0; line < nsub * 16 / 64; ++line) prefetch_nta(w.mn + at * nsub * 16 + line * 64);
+    prefetch_nta(w.dmin + at * 16);
   }
 }
 
 template <int BITS, int nsub>  // sub-block u's share of the codes' 32 (+ 16) lines
-__attribute__((always_inline)) inline void prefetch_codes(const C16Weight& w, int64_t at, int u) {
-  for (int line = 0; line < 32 / nsub; ++line) prefetch_line(w.lo + (at * 32 + u * (32 / nsub) + line) * 64);
+SPECDECODE_PREFETCHES void prefetch_codes(const C16Weight& w, int64_t at, int u) {
+  for (int line = 0; line < 32 / nsub; ++line) prefetch_nta(w.lo + (at * 32 + u * (32 / nsub) + line) * 64);
   if constexpr (BITS > 4)
-    for (int line = 0; line < 16 / nsub; ++line) prefetch_line(w.hi + (at * 16 + u * (16 / nsub) + line) * 64);
+    for (int line = 0; line < 16 / nsub; ++line) prefetch_nta(w.hi + (at * 16 + u * (16 / nsub) + line) * 64);
 }
 
 template <int BITS, int G, int TILE>

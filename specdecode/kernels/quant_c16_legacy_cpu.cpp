@@ -108,18 +108,17 @@ inline __m512i chunk_codes(const Weight& w, int64_t at, int j) {
 }
 
 // Block `at`'s bytes, asked for kAhead blocks (5-8 KB) before use, non-temporal: as quant_c16_cpu.cpp does and
-// for the same reasons; one line two blocks ahead left the draft model's one-token forward ~35% slower. Always
-// inlined: GCC 12 takes a function that only prefetches for one without effects and drops its calls.
+// for the same reasons; one line two blocks ahead left the draft model's one-token forward ~35% slower.
 constexpr int kAhead = 16;
+using specdecode::prefetch_nta;
 
 template <int BITS, int OFF>
-__attribute__((always_inline)) inline void prefetch_block(const Weight& w, int64_t at) {
+SPECDECODE_PREFETCHES void prefetch_block(const Weight& w, int64_t at) {
   constexpr int lines = BITS == 8 ? 8 : 4;
-  for (int line = 0; line < lines; ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(w.codes + (at * lines + line) * 64), _MM_HINT_NTA);
-  if constexpr (BITS == 5) _mm_prefetch(reinterpret_cast<const char*>(w.hi + at * 64), _MM_HINT_NTA);
-  _mm_prefetch(reinterpret_cast<const char*>(w.d + at * 16), _MM_HINT_NTA);
-  if constexpr (OFF == 0) _mm_prefetch(reinterpret_cast<const char*>(w.dmin + at * 16), _MM_HINT_NTA);
+  for (int line = 0; line < lines; ++line) prefetch_nta(w.codes + (at * lines + line) * 64);
+  if constexpr (BITS == 5) prefetch_nta(w.hi + at * 64);
+  prefetch_nta(w.d + at * 16);
+  if constexpr (OFF == 0) prefetch_nta(w.dmin + at * 16);
 }
 
 // OFF > 0: w = d * (code - OFF); OFF == 0: w = d * code - dmin

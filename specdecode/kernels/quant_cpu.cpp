@@ -298,9 +298,8 @@ void tile_legacy(const QuantActs& a, const QuantWeight& w, float* y, int64_t N, 
 }
 
 // Ask for weight row n's bytes ahead of use: the hardware prefetcher alone keeps too few misses in flight to
-// stream memory at full bandwidth through this many arrays. Always inlined: GCC 12 takes a function that only
-// prefetches for one without effects and drops its calls.
-__attribute__((always_inline)) inline void prefetch_row(const QuantWeight& w, int64_t n) {
+// stream memory at full bandwidth through this many arrays.
+SPECDECODE_PREFETCHES void prefetch_row(const QuantWeight& w, int64_t n) {
   const int64_t code_bytes = w.bits == 8 ? w.K : w.K / 2;
   for (int64_t off = 0; off < code_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(w.qs + n * code_bytes + off), _MM_HINT_T0);
   if (w.bits == 5 || w.bits == 6) {

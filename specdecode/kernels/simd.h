@@ -9,6 +9,13 @@
 
 namespace specdecode {
 
+// Prefetch helpers are always inlined: GCC 12 takes a function that only prefetches for one without effects and
+// drops its calls. Mark any function made of prefetches alone with this.
+#define SPECDECODE_PREFETCHES __attribute__((always_inline)) inline
+
+// Ask for the cache line at p, to be used once (non-temporal).
+SPECDECODE_PREFETCHES void prefetch_nta(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA); }
+
 // Eight bfloat16 values (the upper halves of float32) widened to float32.
 inline __m256 load_bf16x8(const uint16_t* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
