@@ -52,12 +52,17 @@ class CostCurve:
 
     def observe(self, m: int, seconds: float) -> CostCurve:
         """The curve after a verify forward over m tokens took `seconds` in use: a shared machine has slow spells,
-        and one caught by the measurement would skew the choice for good, so each size keeps the fastest time
-        seen; a smaller size is never left dearer than a larger one."""
+        and one caught by the measurement would skew the choice for good, so a size keeps the fastest time seen.
+        A faster m lowers the sizes above it by the same factor (the machine is quicker than measured, not just
+        this size) and caps those below it. Lowering only the sizes in use would bias the choice: one-token
+        forwards are the most frequent, their fastest time drops furthest, drafting looks dearer and dearer,
+        and once it stops no draft size is timed again to correct it."""
         if m > len(self.seconds) or seconds >= self.seconds[m - 1]:
             return self
-        return CostCurve(tuple(min(s, seconds) if j <= m else s for j, s in enumerate(self.seconds, start=1)),
-                         self.tail)
+        factor = seconds / self.seconds[m - 1]
+        return CostCurve(tuple(min(s, seconds) if j < m else s * factor
+                               for j, s in enumerate(self.seconds, start=1)),
+                         tuple((size, s * factor) for size, s in self.tail))
 
     def ratios(self) -> list[float]:
         """Cost relative to a one-token forward, for reports."""

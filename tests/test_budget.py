@@ -17,10 +17,20 @@ def test_curve_extrapolates_and_reports_ratios():
 def test_observed_times_only_lower_the_curve_and_keep_it_monotone():
     curve = CostCurve((3.0, 3.1, 3.5, 4.0))  # measured in a slow spell
     assert curve.observe(2, 5.0) is curve  # slower than measured: a busy moment, not the machine
-    faster = curve.observe(3, 2.5)
-    assert faster.seconds == (2.5, 2.5, 2.5, 4.0)  # one token cannot cost more than three
-    assert faster.observe(1, 2.0).seconds == (2.0, 2.5, 2.5, 4.0)
+    faster = curve.observe(3, 2.8)  # 0.8x measured: the sizes above follow, the ones below are capped
+    assert faster.seconds == pytest.approx((2.8, 2.8, 2.8, 3.2))
+    assert faster.observe(1, 2.0).seconds == pytest.approx((2.0, 2.0, 2.0, 2.0 / 2.8 * 3.2))
     assert curve.observe(30, 0.1) is curve  # beyond the measured sizes: extrapolated, not observed
+
+
+def test_fast_one_token_forwards_do_not_talk_the_chooser_out_of_drafting():
+    curve = CostCurve((1.0, 1.2, 1.4, 1.6))
+    scores = [0.5, 0.3]
+    assert curve.best_count(scores) == 2
+    for seconds in (0.9, 0.8, 0.7, 0.6):  # ever faster undrafted steps, as a machine's quiet spells give
+        curve = curve.observe(1, seconds)
+    assert curve.ratios() == pytest.approx([1.0, 1.2, 1.4, 1.6])  # the measured shape is kept
+    assert curve.best_count(scores) == 2
 
 
 def test_best_count_trades_expected_tokens_against_cost():
@@ -54,5 +64,5 @@ def test_batch_sizes_beyond_the_measured_run_interpolate_between_measured_points
     assert curve.cost(3) == 1.2 and curve.cost(8) == 2.0
     assert curve.cost(12) == pytest.approx(3.5)  # halfway between 8 and 16
     assert curve.cost(24) == pytest.approx(8.0)  # past the last point: its slope
-    assert curve.observe(2, 0.5).tail == curve.tail  # use lowers the measured run only
+    assert curve.observe(2, 0.55).tail == ((8, 1.0), (16, 2.5))  # half as dear: so are the batches
     assert curve.to_dict()["batch_sizes"] == [[8, 2.0], [16, 5.0]]
