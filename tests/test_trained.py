@@ -334,6 +334,21 @@ def test_regenerate_lets_the_target_write_and_resumes_from_its_log(trained: Path
     assert code == 0, err
 
 
+def test_regenerated_answers_are_the_targets_plain_greedy_answers(tmp_path: Path) -> None:
+    from specdecode.budget import CostCurve
+    from specdecode.training.regenerate import MIN_ANSWER, regenerate
+
+    target = tiny_native("qwen2", seed=0)
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [9, 8, 7, 9, 8, 7, 9], list(range(20, 40))]
+    examples = [Example(p + [5] * 6, [False] * len(p) + [True] * 6, f"data:{i}") for i, p in enumerate(prompts)]
+    flat = CostCurve(tuple([1.0] * 16))  # verifying is free: every draft the lookup finds is verified
+    train, held = regenerate(target, examples, 1, 128, tmp_path / "log.jsonl", flat)
+    plain = Engine(target, NoDrafter(), num_draft_tokens=0)
+    for prompt, got in zip(prompts, held + train):
+        answer = [t for s in plain.generate(prompt, SamplingParams(max_new_tokens=MIN_ANSWER)) for t in s.tokens]
+        assert got.ids == prompt + answer and got.loss == [False] * len(prompt) + [True] * len(answer)
+
+
 def test_bench_runs_trained_methods_by_default_only_when_given_their_folders() -> None:
     import argparse
 

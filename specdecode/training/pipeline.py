@@ -41,9 +41,11 @@ def run(args: argparse.Namespace) -> dict:
     root = Path(args.cache) if args.cache else hub.cache_dir() / "training"
     folder = feature_cache.cache_dir(root, settings)
     if args.regenerate:
+        from specdecode.api import verify_costs
         from specdecode.training.regenerate import regenerate
 
-        train, held = regenerate(target, train + held, len(held), args.max_len, folder / "regenerated.jsonl")
+        train, held = regenerate(target, train + held, len(held), args.max_len, folder / "regenerated.jsonl",
+                                 verify_costs(target, args.target, plan, args.device))
         tokens = sum(len(e.ids) for e in train)
     all_tokens = tokens + sum(len(e.ids) for e in held)
     feature_cache.check_memory(

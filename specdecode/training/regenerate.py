@@ -1,7 +1,9 @@
 """`--regenerate`: the target writes each example's answer itself (self-distillation). A drafter trained on the
 target's own words learns what it will be asked to guess, not what the data's author wrote.
 
-Each answer is appended to a JSONL log as soon as it is written: an interrupted run resumes after the last one."""
+The answers are greedy, so prompt lookup drafts them (lossless: the same tokens as plain decoding, ~1.4x sooner on
+a CPU; no draft model to load). Each answer is appended to a JSONL log as soon as it is written: an interrupted
+run resumes after the last one."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
-from specdecode.drafters.none import NoDrafter
+from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine
 from specdecode.training.data import Example
 
@@ -20,15 +23,16 @@ MIN_ANSWER = 64  # new tokens allowed even where the data's answer was shorter
 
 
 @torch.inference_mode()
-def regenerate(target: torch.nn.Module, examples: list[Example], held: int, max_len: int,
-               log: Path) -> tuple[list[Example], list[Example]]:
+def regenerate(target: torch.nn.Module, examples: list[Example], held: int, max_len: int, log: Path,
+               costs: CostCurve) -> tuple[list[Example], list[Example]]:
     """Each example's prompt (everything before its first loss token) + the target's greedy answer, up to the
-    data answer's length (at least MIN_ANSWER) -> (train, held back) as before."""
+    data answer's length (at least MIN_ANSWER) -> (train, held back) as before. `costs`: the target's verify
+    cost curve, which sizes the drafts."""
     done = []
     if log.is_file():
         done = [Example(r["ids"], r["loss"], r["where"]) for r in map(json.loads, log.read_text().splitlines())]
     log.parent.mkdir(parents=True, exist_ok=True)
-    engine = Engine(target, NoDrafter(), num_draft_tokens=0, max_len=max_len + 1)
+    engine = Engine(target, NgramDrafter(), num_draft_tokens=None, max_len=max_len + 1, costs=costs)
     with open(log, "a") as out, tqdm(total=len(examples), initial=len(done), desc="target writes the answers",
                                       unit="example", dynamic_ncols=True) as bar:
         for ex in examples[len(done) :]:
