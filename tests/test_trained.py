@@ -320,15 +320,24 @@ def test_regenerate_lets_the_target_write_and_resumes_from_its_log(trained: Path
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from specdecode.training import regenerate
 
-    data = _data(tmp_path / "data.jsonl", records=20)
+    data = _data(tmp_path / "data.jsonl", records=40)
     args = ["train", "medusa", "--target", str(trained / "target"), "--data", str(data), "--out",
             str(tmp_path / "out"), "--dtype", "float32", "--cache", str(tmp_path / "cache"), "--regenerate",
             "--epochs", "1", "--heads", "2"]
-    code, _, err = _main(args)
+    code, _, err = _main([*args, "--max-tokens", "1500"])
     assert code == 0, err
-    (log,) = (tmp_path / "cache").glob("features-*/regenerated.jsonl")
+    (log,) = (tmp_path / "cache").glob("answers-*.jsonl")
+    first = len(log.read_text().splitlines())
+    assert 0 < first < 40
+    with open(log, "a") as f:
+        f.write('{"ids": [1, 2')  # an interrupt in the middle of a line
+    real, calls = regenerate._answer, []
+    monkeypatch.setattr(regenerate, "_answer", lambda *a: calls.append(1) or real(*a))
+    code, _, err = _main(args)  # a larger budget: only the answers the log lacks are written
+    assert code == 0, err
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(records) == 20 and all(r["loss"].count(True) >= 8 for r in records)
+    assert len(calls) == 40 - first and len(records) == 40 and len({r["where"] for r in records}) == 40
+    assert all(r["loss"].count(True) >= 8 for r in records)
     monkeypatch.setattr(regenerate, "_answer", lambda *a: pytest.fail("regenerated again"))
     code, _, err = _main(args)  # every answer is in the log: nothing is generated twice
     assert code == 0, err
@@ -342,7 +351,7 @@ def test_regenerated_answers_are_the_targets_plain_greedy_answers(tmp_path: Path
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [9, 8, 7, 9, 8, 7, 9], list(range(20, 40))]
     examples = [Example(p + [5] * 6, [False] * len(p) + [True] * 6, f"data:{i}") for i, p in enumerate(prompts)]
     flat = CostCurve(tuple([1.0] * 16))  # verifying is free: every draft the lookup finds is verified
-    train, held = regenerate(target, examples, 1, 128, tmp_path / "log.jsonl", flat)
+    train, held = regenerate(target, examples[1:], examples[:1], 128, tmp_path / "log.jsonl", flat)
     plain = Engine(target, NoDrafter(), num_draft_tokens=0)
     for prompt, got in zip(prompts, held + train):
         answer = [t for s in plain.generate(prompt, SamplingParams(max_new_tokens=MIN_ANSWER)) for t in s.tokens]

@@ -42,9 +42,9 @@ def run(args: argparse.Namespace) -> dict:
     folder = feature_cache.cache_dir(root, settings)
     if args.regenerate:
         from specdecode.api import verify_costs
-        from specdecode.training.regenerate import regenerate
+        from specdecode.training.regenerate import answers_log, regenerate
 
-        train, held = regenerate(target, train + held, len(held), args.max_len, folder / "regenerated.jsonl",
+        train, held = regenerate(target, train, held, args.max_len, answers_log(root, settings),
                                  verify_costs(target, args.target, plan, args.device))
         tokens = sum(len(e.ids) for e in train)
     all_tokens = tokens + sum(len(e.ids) for e in held)

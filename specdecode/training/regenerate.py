@@ -2,11 +2,13 @@
 target's own words learns what it will be asked to guess, not what the data's author wrote.
 
 The answers are greedy, so prompt lookup drafts them (lossless: the same tokens as plain decoding, ~1.4x sooner on
-a CPU; no draft model to load). Each answer is appended to a JSONL log as soon as it is written: an interrupted
-run resumes after the last one."""
+a CPU; no draft model to load). Each answer is appended to a JSONL log as soon as it is written, keyed by the
+example's place in the data: an interrupted run resumes after the last one, and a run with a larger --max-tokens
+or another seed writes only the answers it lacks (the log is shared by runs over the same data and target)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -20,27 +22,47 @@ from specdecode.engine import Engine
 from specdecode.training.data import Example
 
 MIN_ANSWER = 64  # new tokens allowed even where the data's answer was shorter
+# What an answer depends on: the example (its data file and place in it), how long it may be, and the target as
+# it runs. Not the token budget or the seed, which only choose the examples.
+ANSWER_SETTINGS = ("data", "max_len", "target", "form", "device")
+
+
+def answers_log(root: Path, settings: dict) -> Path:
+    key = hashlib.sha256(json.dumps({k: settings[k] for k in ANSWER_SETTINGS}, sort_keys=True).encode())
+    return root / f"answers-{key.hexdigest()[:12]}.jsonl"
 
 
 @torch.inference_mode()
-def regenerate(target: torch.nn.Module, examples: list[Example], held: int, max_len: int, log: Path,
+def regenerate(target: torch.nn.Module, train: list[Example], held: list[Example], max_len: int, log: Path,
                costs: CostCurve) -> tuple[list[Example], list[Example]]:
     """Each example's prompt (everything before its first loss token) + the target's greedy answer, up to the
-    data answer's length (at least MIN_ANSWER) -> (train, held back) as before. `costs`: the target's verify
-    cost curve, which sizes the drafts."""
-    done = []
-    if log.is_file():
-        done = [Example(r["ids"], r["loss"], r["where"]) for r in map(json.loads, log.read_text().splitlines())]
-    log.parent.mkdir(parents=True, exist_ok=True)
+    data answer's length (at least MIN_ANSWER) -> (train, held back), the same examples. `costs`: the target's
+    verify cost curve, which sizes the drafts."""
+    done = _read_log(log)
+    todo = [ex for ex in held + train if ex.where not in done]
     engine = Engine(target, NgramDrafter(), num_draft_tokens=None, max_len=max_len + 1, costs=costs)
-    with open(log, "a") as out, tqdm(total=len(examples), initial=len(done), desc="target writes the answers",
-                                      unit="example", dynamic_ncols=True) as bar:
-        for ex in examples[len(done) :]:
-            done.append(_answer(engine, ex, max_len))
-            out.write(json.dumps({"ids": done[-1].ids, "loss": done[-1].loss, "where": ex.where}) + "\n")
+    with open(log, "a") as out, tqdm(total=len(held) + len(train), initial=len(held) + len(train) - len(todo),
+                                      desc="target writes the answers", unit="example", dynamic_ncols=True) as bar:
+        for ex in todo:
+            done[ex.where] = answer = _answer(engine, ex, max_len)
+            out.write(json.dumps({"ids": answer.ids, "loss": answer.loss, "where": ex.where}) + "\n")
             out.flush()
             bar.update(1)
-    return done[held:], done[:held]
+    return [done[ex.where] for ex in train], [done[ex.where] for ex in held]
+
+
+def _read_log(log: Path) -> dict[str, Example]:
+    """The answers written so far, by example; a line cut short by an interrupt is dropped (and cut off the file,
+    so the next answer starts on a line of its own)."""
+    if not log.is_file():
+        log.parent.mkdir(parents=True, exist_ok=True)
+        return {}
+    text = log.read_text()
+    whole = text[: text.rfind("\n") + 1]
+    if whole != text:
+        log.write_text(whole)
+    records = (json.loads(line) for line in whole.splitlines())
+    return {r["where"]: Example(r["ids"], r["loss"], r["where"]) for r in records}
 
 
 def _answer(engine: Engine, ex: Example, max_len: int) -> Example:
