@@ -55,10 +55,14 @@ class Features:
         return spans[: self.held] if held else spans[self.held :]
 
 
+def settings_key(settings: dict) -> str:
+    """A short name for a set of settings: equal settings, equal names."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def cache_dir(root: Path, settings: dict) -> Path:
     """A folder per settings (data, budget, target form...), so a cache is only resumed by the same run."""
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    return root / f"features-{key}"
+    return root / f"features-{settings_key(settings)}"
 
 
 def estimate_bytes(tokens: int, hidden_size: int, num_features: int) -> int:

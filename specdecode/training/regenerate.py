@@ -8,7 +8,6 @@ or another seed writes only the answers it lacks (the log is shared by runs over
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine
 from specdecode.training.data import Example
+from specdecode.training.features import settings_key
 
 MIN_ANSWER = 64  # new tokens allowed even where the data's answer was shorter
 # What an answer depends on: the example (its data file and place in it), how long it may be, and the target as
@@ -28,8 +28,7 @@ ANSWER_SETTINGS = ("data", "max_len", "target", "form", "device")
 
 
 def answers_log(root: Path, settings: dict) -> Path:
-    key = hashlib.sha256(json.dumps({k: settings[k] for k in ANSWER_SETTINGS}, sort_keys=True).encode())
-    return root / f"answers-{key.hexdigest()[:12]}.jsonl"
+    return root / f"answers-{settings_key({k: settings[k] for k in ANSWER_SETTINGS})}.jsonl"
 
 
 @torch.inference_mode()
@@ -38,6 +37,7 @@ def regenerate(target: torch.nn.Module, train: list[Example], held: list[Example
     """Each example's prompt (everything before its first loss token) + the target's greedy answer, up to the
     data answer's length (at least MIN_ANSWER) -> (train, held back), the same examples. `costs`: the target's
     verify cost curve, which sizes the drafts."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     done = _read_log(log)
     todo = [ex for ex in held + train if ex.where not in done]
     engine = Engine(target, NgramDrafter(), num_draft_tokens=None, max_len=max_len + 1, costs=costs)
@@ -55,7 +55,6 @@ def _read_log(log: Path) -> dict[str, Example]:
     """The answers written so far, by example; a line cut short by an interrupt is dropped (and cut off the file,
     so the next answer starts on a line of its own)."""
     if not log.is_file():
-        log.parent.mkdir(parents=True, exist_ok=True)
         return {}
     text = log.read_text()
     whole = text[: text.rfind("\n") + 1]
