@@ -20,7 +20,8 @@ import torch
 from specdecode.batch import BatchEngine
 from specdecode.budget import CostCurve, load_or_measure
 from specdecode.config import SamplingParams
-from specdecode.drafters import DRAFTERS, TRAINED, USES_DRAFT_MODEL, DraftModelDrafter, HybridDrafter
+from specdecode.drafters import (DRAFTERS, HEAD_KIND, TRAINED, USES_DRAFT_MODEL, DraftModelDrafter,
+                                 HybridDrafter)
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
 from specdecode.engine import Engine, Step
 from specdecode.errors import SpecdecodeError
@@ -38,7 +39,8 @@ DRAFT_MIN_CONFIDENCE = 0.5
 DRAFT_SHAPES = ("chain", "tree")
 # Measured side by side (BENCHMARKS.md): on a 2-core CPU the draft model's siblings rarely pay for the wider draft
 # forwards and verify rows they cost, while n-gram siblings are free to draft.
-DEFAULT_DRAFT_SHAPE = {"draft": "chain", "hybrid": "chain", "ngram": "tree", "eagle": "tree", "medusa": "tree"}
+DEFAULT_DRAFT_SHAPE = {"draft": "chain", "hybrid": "chain", "ngram": "tree", "eagle": "tree", "medusa": "tree",
+                       "hybrid-eagle": "tree"}
 NGRAM_TREE_BRANCHES = 4  # earlier matches merged into an n-gram tree
 
 
@@ -85,7 +87,8 @@ class SpecDecoder:
         (None: the method's default, DEFAULT_DRAFT_SHAPE).
         `draft_vocab` cuts the draft's LM head to that many frequent tokens (0: whole vocabulary), counted on
         `draft_vocab_corpus` (jsonl files) or on the instruction data shipped for the vocabulary.
-        Methods `eagle` and `medusa` take `draft` = the folder `specdecode train` wrote for this target;
+        Methods `eagle`, `hybrid-eagle` and `medusa` take `draft` = the folder `specdecode train` wrote for this
+        target;
         `draft_adapter` = a LoRA adapter folder (`specdecode train draft`) applied to the draft model."""
         if method not in DRAFTERS:
             raise SpecdecodeError(f"unknown method '{method}': choose one of {', '.join(DRAFTERS)}")
@@ -184,7 +187,8 @@ def build_drafter(method: str, target: torch.nn.Module, draft_model: torch.nn.Mo
     of a trained eagle or medusa drafter)."""
     tree = (shape or default_shape(method)) == "tree"
     if method in TRAINED:
-        return DRAFTERS[method].load(heads, target, **({} if tree else {"width": 1}))
+        drafter = DRAFTERS[HEAD_KIND[method]].load(heads, target, **({} if tree else {"width": 1}))
+        return HybridDrafter(drafter, max_ngram) if method == "hybrid-eagle" else drafter
     if method in USES_DRAFT_MODEL:
         drafter = DraftModelDrafter(draft_model, vocab_size=target.config.vocab_size,
                                     min_confidence=DRAFT_MIN_CONFIDENCE, width=TREE_WIDTH if tree else 1,
@@ -201,12 +205,12 @@ def verify_costs(model: torch.nn.Module, target: str, plan: LoadPlan, device: st
 
 
 def check_trained_folder(method: str, draft: str | None) -> str | None:
-    """The trained drafter folder an eagle or medusa method needs (None for other methods)."""
+    """The trained drafter folder an eagle, hybrid-eagle or medusa method needs (None for other methods)."""
     if method not in TRAINED:
         return None
     if not draft or not Path(draft).is_dir():
-        raise SpecdecodeError(f"--method {method} needs --draft DIR: the folder `specdecode train {method}` wrote"
-                              + (f" ('{draft}' is not a folder)" if draft else ""))
+        raise SpecdecodeError(f"--method {method} needs --draft DIR: the folder `specdecode train "
+                              f"{HEAD_KIND[method]}` wrote" + (f" ('{draft}' is not a folder)" if draft else ""))
     return draft
 
 

@@ -17,17 +17,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
     p.add_argument("--draft", default=None,
                    help=f"--method draft or hybrid: the draft model (same tokenizer; default {DEFAULT_DRAFT}); --method "
-                        "eagle or medusa: the folder `specdecode train` wrote")
+                        "eagle, hybrid-eagle or medusa: the folder `specdecode train` wrote")
     p.add_argument("--draft-adapter", default=None, metavar="DIR",
                    help="a LoRA adapter for the draft model (`specdecode train draft`)")
     p.add_argument("--method", default="hybrid", choices=list(DRAFTERS),
-                   help="how tokens are drafted (hybrid: prompt lookup where it pays, else the draft model)")
+                   help="how tokens are drafted (hybrid: prompt lookup where it pays, else the draft model; "
+                        "hybrid-eagle: the same with a trained EAGLE head instead of the draft model)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="draft tokens verified per step (default: chosen each step from what a verify forward "
                         "costs on this machine, measured once and cached)")
     p.add_argument("--draft-shape", default=None, choices=list(DRAFT_SHAPES),
                    help="tree: several guesses per position, verified at once; chain: one guess per position "
-                        "(default: chain for draft and hybrid, tree for ngram, eagle and medusa)")
+                        "(default: chain for draft and hybrid, tree for ngram and the trained heads)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_weight_args(p)

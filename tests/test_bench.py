@@ -15,11 +15,12 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from specdecode.bench.data import Prompt, load_prompts, parse_row
 from specdecode.bench.harness import Run
-from specdecode.bench.loaders import all_methods, parse_methods
+from specdecode.bench.loaders import all_methods, drafter_and_shape, parse_methods
 from specdecode.bench.metrics import find_mismatches, first_difference
 from specdecode.bench.report import build_report, markdown
 from specdecode.bench.runners import TurnResult
 from specdecode.cli import main
+from specdecode.drafters import TRAINED
 from specdecode.errors import SpecdecodeError
 
 CHAT_TEMPLATE = (
@@ -70,7 +71,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # Every method but llama.cpp's, which run GGUF files only (tested on a real one in test_e2e_stored.py), and the
 # trained drafters, which need a trained folder (test_trained.py).
-METHODS = [m for m in all_methods() if not m.startswith(("llamacpp", "eagle", "medusa", "draft-lora"))]
+METHODS = [m for m in all_methods() if not m.startswith(("llamacpp", "draft-lora"))
+           and drafter_and_shape(m)[0] not in TRAINED]
 
 
 def _args(root: Path, *extra: str) -> list[str]:

@@ -19,7 +19,9 @@ from toy import l1_bound
 from specdecode.api import SpecDecoder
 from specdecode.cli import main
 from specdecode.config import SamplingParams
+from specdecode.drafters import HEAD_KIND
 from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.drafters.medusa import MedusaDrafter, static_tree
 from specdecode.drafters.none import NoDrafter
 from specdecode.engine import Engine
@@ -85,11 +87,11 @@ def _generate(decoder: SpecDecoder, prompt: str, params: SamplingParams) -> list
 
 
 @pytest.mark.parametrize("method,shape", [("eagle", "tree"), ("eagle", "chain"), ("medusa", "tree"),
-                                          ("draft", "chain")])
+                                          ("draft", "chain"), ("hybrid-eagle", "tree")])
 def test_greedy_with_trained_drafters_is_token_identical(trained: Path, method: str, shape: str) -> None:
     target = str(trained / "target")
     plain = SpecDecoder.load(target, method="none", dtype="float32")
-    kwargs = {"draft": str(trained / method)} if method != "draft" else {
+    kwargs = {"draft": str(trained / HEAD_KIND.get(method, method))} if method != "draft" else {
         "draft": str(trained / "draft"), "draft_adapter": str(trained / "lora")}
     decoder = SpecDecoder.load(target, method=method, dtype="float32", draft_shape=shape,
                                num_draft_tokens=4,  # fixed: an automatic budget may find tiny drafts not worth it
@@ -114,12 +116,12 @@ def test_trained_methods_run_in_bench(trained: Path) -> None:
     out = trained / "bench.json"
     code, _, err = _main(["bench", "--dataset", str(data), "--target", str(trained / "target"), "--draft",
                           str(trained / "draft"), "--dtype", "float32", "--max-new-tokens", "8", "--no-progress",
-                          "--methods", "none,draft,eagle,medusa,draft-lora", "--eagle", str(trained / "eagle"),
+                          "--methods", "none,draft,eagle,hybrid-eagle,medusa,draft-lora", "--eagle", str(trained / "eagle"),
                           "--medusa", str(trained / "medusa"), "--draft-adapter", str(trained / "lora"),
                           "--json", str(out)])
     assert code == 0, err
     report = json.loads(out.read_text())
-    assert set(report["methods"]) == {"none", "draft", "eagle", "medusa", "draft-lora"}
+    assert set(report["methods"]) == {"none", "draft", "eagle", "hybrid-eagle", "medusa", "draft-lora"}
     for name, m in report["methods"].items():
         assert m["lossless"] is True, (name, m["mismatches"])
 
@@ -253,13 +255,16 @@ def _exact_top2(target: torch.nn.Module, prompt: list[int], length: int, params:
     return out
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "hybrid-eagle"])
 def test_sampling_with_trained_drafters_keeps_the_targets_distribution(tiny_heads, kind: str) -> None:
     target, head, heads, accuracy = tiny_heads
     prompt = [1, 2, 3, 4]
     exact = _exact_top2(target, prompt, 3, SAMPLED)
-    drafter = (EagleDrafter(head, target, (0, 1), width=2, expand=2, max_depth=3) if kind == "eagle"
-               else MedusaDrafter(heads, [row[:2] for row in accuracy]))
+    if kind == "medusa":
+        drafter = MedusaDrafter(heads, [row[:2] for row in accuracy])
+    else:
+        drafter = EagleDrafter(head, target, (0, 1), width=2, expand=2, max_depth=3)
+        drafter = HybridDrafter(drafter) if kind == "hybrid-eagle" else drafter
     engine = Engine(target, drafter, num_draft_tokens=3)
     trials = 2500
     counts: dict[tuple, int] = {}
@@ -289,7 +294,26 @@ def test_eagle_greedy_on_a_quickly_trained_head_matches_plain(tiny_heads, width:
     target.feature_layers = ()
 
 
-def test_eagle_in_a_batch_with_chunked_prefill_matches_plain(tiny_heads, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hybrid_eagle_copies_and_drafts_with_the_head_and_matches_plain(tiny_heads) -> None:
+    """Copy steps and head steps alternate: the head must read the features of every step it sat out."""
+    target, head, _, _ = tiny_heads
+    prompt = [5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
+    drafter = HybridDrafter(EagleDrafter(head, target, (0, 1), width=2))
+    used = []
+    commit = drafter.commit
+    drafter.commit = lambda *a: (used.append(type(drafter.used).__name__), commit(*a))  # type: ignore[method-assign]
+    engine = Engine(target, drafter, num_draft_tokens=5)
+    assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
+    assert {"NgramDrafter", "EagleDrafter"} <= set(used)
+    assert engine.stats.accepted_tokens > 0
+    target.feature_layers = ()
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_eagle_in_a_batch_with_chunked_prefill_matches_plain(tiny_heads, monkeypatch: pytest.MonkeyPatch,
+                                                             hybrid: bool) -> None:
     """The server's engine: requests joining at different steps, prompts fed in chunks (the head must get every
     position's features, across chunks and steps it sat out)."""
     from test_batch import run_batch
@@ -302,7 +326,8 @@ def test_eagle_in_a_batch_with_chunked_prefill_matches_plain(tiny_heads, monkeyp
     monkeypatch.setattr(batch_module, "PREFILL_ROWS_BUSY", 5)
     prompts = [[1, 2, 3, 4, 1, 2, 3], list(range(5, 45)), [7, 7, 7, 7]]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    make = EagleDrafter(head, target, (0, 1), width=2).fork
+    eagle = EagleDrafter(head, target, (0, 1), width=2)
+    make = HybridDrafter(eagle).fork if hybrid else eagle.fork
     together = run_batch(BatchEngine(target, make, 4), [(p, params) for p in prompts], arrivals=[0, 1, 3])
     for prompt, got in zip(prompts, together):
         assert got == [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
@@ -364,6 +389,7 @@ def test_bench_runs_trained_methods_by_default_only_when_given_their_folders() -
     from specdecode.bench.cli import default_methods
 
     none_given = default_methods(argparse.Namespace(eagle=None, medusa=None, draft_adapter=None))
-    assert not any(m.startswith(("eagle", "medusa", "draft-lora")) for m in none_given) and "draft" in none_given
+    assert not any(m.startswith(("eagle", "medusa", "draft-lora", "hybrid-eagle")) for m in none_given)
+    assert "draft" in none_given
     given = default_methods(argparse.Namespace(eagle="e", medusa="m", draft_adapter="a"))
-    assert {"eagle", "eagle-tree", "medusa", "draft-lora"} <= set(given)
+    assert {"eagle", "eagle-tree", "hybrid-eagle", "medusa", "draft-lora"} <= set(given)

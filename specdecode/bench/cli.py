@@ -26,7 +26,7 @@ from specdecode.bench.loaders import (
 from specdecode.bench.machine import command_line, machine_info
 from specdecode.bench.report import build_report, markdown
 from specdecode.cli_args import add_sampling_args, add_weight_args, sampling_params
-from specdecode.drafters import DRAFTERS
+from specdecode.drafters import DRAFTERS, HEAD_KIND
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, plan_load
 
@@ -40,14 +40,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="use the first N rows of each dataset")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated, from {', '.join(all_methods())}; none is always run (the baseline). "
-                        "Default: all, the trained ones (eagle, medusa, draft-lora) where their folders are given")
+                        "Default: all, the trained ones (eagle, hybrid-eagle, medusa, draft-lora) where their folders "
+                        "are given")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="k for every speculative method "
                    "(default: ours choose per step from the verify cost curve; the reference engines run a fixed k)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt per method")
     p.add_argument("--json", metavar="FILE", help="write the results here, and PNG plots next to it")
     p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for draft, hybrid and hf-assisted")
-    p.add_argument("--eagle", metavar="DIR", help="the EAGLE head for method eagle (`specdecode train eagle`)")
+    p.add_argument("--eagle", metavar="DIR", help="the EAGLE head for methods eagle and hybrid-eagle (`specdecode train eagle`)")
     p.add_argument("--medusa", metavar="DIR", help="the Medusa heads for method medusa (`specdecode train medusa`)")
     p.add_argument("--draft-adapter", metavar="DIR",
                    help="the LoRA adapter for method draft-lora (`specdecode train draft`): the tuned draft beside "
@@ -106,16 +107,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def default_methods(args: argparse.Namespace) -> list[str]:
     """Every method, but a trained one only when its folder was given."""
     given = {"eagle": args.eagle, "medusa": args.medusa, TUNED_DRAFT: args.draft_adapter}
+    given |= {method: given[kind] for method, kind in HEAD_KIND.items()}
     return [m for m in all_methods() if given.get(drafter_and_shape(m)[0], True)]
 
 
 def trained_folders(args: argparse.Namespace, methods: list[str]) -> dict[str, str]:
-    """eagle / medusa -> the folder given for it; a trained method without one is an error before any load."""
+    """eagle / hybrid-eagle / medusa -> the folder given for its head; a trained method without one is an error
+    before any load."""
     folders = {}
-    for method, folder in (("eagle", args.eagle), ("medusa", args.medusa)):
+    given = {"eagle": args.eagle, "medusa": args.medusa}
+    for method, kind in HEAD_KIND.items():
         if any(m == method or m.startswith(f"{method}-") for m in methods):
+            folder = given[kind]
             if not folder or not Path(folder).is_dir():
-                raise SpecdecodeError(f"method {method} needs --{method} DIR: the folder `specdecode train {method}` "
+                raise SpecdecodeError(f"method {method} needs --{kind} DIR: the folder `specdecode train {kind}` "
                                       "wrote" + (f" ('{folder}' is not a folder)" if folder else ""))
             folders[method] = folder
     if TUNED_DRAFT in methods and not args.draft_adapter:

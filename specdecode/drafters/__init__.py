@@ -15,9 +15,11 @@ DRAFTERS: dict[str, type] = {
     "hybrid": HybridDrafter,  # prompt lookup where the context repeats, the draft model elsewhere
     "eagle": EagleDrafter,  # trained heads: --draft is the folder `specdecode train` wrote
     "medusa": MedusaDrafter,
+    "hybrid-eagle": HybridDrafter,  # prompt lookup where the context repeats, the EAGLE head elsewhere
 }
 
-__all__ = ["DRAFTERS", "Draft", "DraftContext", "Drafter", "DraftModelDrafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter",
+__all__ = ["DRAFTERS", "HEAD_KIND", "Draft", "DraftContext", "Drafter", "DraftModelDrafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter",
            "NgramDrafter", "NoDrafter"]
-TRAINED = ("eagle", "medusa")  # methods whose --draft is a trained head folder
+HEAD_KIND = {"eagle": "eagle", "medusa": "medusa", "hybrid-eagle": "eagle"}  # method -> the head its --draft holds
+TRAINED = tuple(HEAD_KIND)  # methods whose --draft is a trained head folder (`specdecode train KIND`)
 USES_DRAFT_MODEL = ("draft", "hybrid")  # methods whose --draft is a draft model

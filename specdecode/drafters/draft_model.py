@@ -100,6 +100,11 @@ class DraftModelDrafter(GrowsTrees):
         self.base_length = self.cache.length
         return (yield from self._grow_tree(logits, ctx, max_tokens, started, self._nodes_part))
 
+    @property
+    def drafting_s(self) -> float:
+        """What its last draft cost: its forwards at the running time per forward, catching up excluded."""
+        return self.forwards * self.forward_s
+
     def behind(self, tokens: list[int]) -> int:
         """Tokens its cache lacks: what the next draft first feeds (the prompt, or steps it sat out)."""
         return len(tokens) - (self.cache.length if self.cache is not None else 0)

@@ -6,7 +6,8 @@ engine hands over every new position's features: `reads_hidden`), whose last row
 draft token. Deeper nodes have no target features yet: each is fed with its parent's output hidden state, as the
 head was trained (the unrolled training-time test). The tree grows best nodes first, cut by the machine's verify
 cost curve, as a draft model's does (tree_growth.py). Nodes live in cache slots after the context; `commit` drops
-them all: the accepted tokens come back next step with the target's true features.
+them all: the accepted tokens come back next step with the target's true features. A step it sits out (another
+drafter proposed, as in `hybrid-eagle`) hands it that step's features (`sat_out`), read at the next catching up.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class EagleDrafter(GrowsTrees):
         self.nodes: list[Node] = []
         self.kept: list[int] = []
         self.hidden_of: dict[int, torch.Tensor] = {}  # fed node -> its output hidden state [d]
+        self.pending: torch.Tensor | None = None  # target features of steps it sat out, not yet read
         self.forward_s = 0.0
+        self.drafting_s = 0.0  # what its last draft took, catching up included (it catches up every step)
 
     @classmethod
     def load(cls, folder: str | Path, target: torch.nn.Module, **kwargs) -> EagleDrafter:
@@ -66,7 +69,7 @@ class EagleDrafter(GrowsTrees):
     def reset(self) -> None:
         if self.cache is not None:
             self.cache.reset()
-        self.nodes, self.kept, self.base_length, self.root_hidden = [], [], 0, None
+        self.nodes, self.kept, self.base_length, self.root_hidden, self.pending = [], [], 0, None, None
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -85,7 +88,13 @@ class EagleDrafter(GrowsTrees):
                 self.forward_took(time.perf_counter() - began)
                 expand, nodes = growth.send(logits)
         except StopIteration as done:
+            self.drafting_s = time.perf_counter() - started
             return done.value
+
+    def sat_out(self, ctx: DraftContext) -> None:
+        """Another drafter proposed this step: keep the features handed over, for the next catching up."""
+        if ctx.hidden is not None:
+            self.pending = ctx.hidden if self.pending is None else torch.cat((self.pending, ctx.hidden))
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Draft nodes were fed with the head's own hidden states; the accepted ones come back next step with
@@ -104,6 +113,9 @@ class EagleDrafter(GrowsTrees):
             return
         d = target.config.hidden_size
         rows = ctx.hidden  # [rows, d * num_features]: final hidden state, then the feature layers' inputs
+        if self.pending is not None:
+            rows = self.pending if rows is None else torch.cat((self.pending, rows))
+            self.pending = None
         if rows is None or rows.shape[0] != end - start:  # features missing (should not happen): zeros stand in
             fill = torch.zeros(end - start, head.config.num_features * d, device=head.device)
             if rows is not None:
