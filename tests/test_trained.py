@@ -40,12 +40,13 @@ def _main(args: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def _data(path: Path, records: int = 60) -> Path:
-    rng = random.Random(0)
+def _data(path: Path, records: int = 60, seed: int = 0) -> Path:
+    rng = random.Random(seed)
     lines = []
     for _ in range(records):
         answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 30)))
-        lines.append(json.dumps({"messages": [{"role": "user", "content": "write code"},
+        ask = " ".join(["write"] + [rng.choice(WORDS) for _ in range(3)])
+        lines.append(json.dumps({"messages": [{"role": "user", "content": ask},
                                               {"role": "assistant", "content": answer}]}))
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -341,10 +342,7 @@ def test_a_corpus_too_small_is_one_clear_error(trained: Path, tmp_path: Path) ->
     assert code == 2 and "too few to learn from" in err and err.count("\n") == 1
 
 
-def test_regenerate_lets_the_target_write_and_resumes_from_its_log(trained: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from specdecode.training import regenerate
-
+def test_regenerate_lets_the_target_write_and_resumes_from_its_log(trained: Path, tmp_path: Path) -> None:
     data = _data(tmp_path / "data.jsonl", records=40)
     args = ["train", "medusa", "--target", str(trained / "target"), "--data", str(data), "--out",
             str(tmp_path / "out"), "--dtype", "float32", "--cache", str(tmp_path / "cache"), "--regenerate",
@@ -355,17 +353,19 @@ def test_regenerate_lets_the_target_write_and_resumes_from_its_log(trained: Path
     first = len(log.read_text().splitlines())
     assert 0 < first < 40
     with open(log, "a") as f:
-        f.write('{"ids": [1, 2')  # an interrupt in the middle of a line
-    real, calls = regenerate._answer, []
-    monkeypatch.setattr(regenerate, "_answer", lambda *a: calls.append(1) or real(*a))
+        f.write('{"key": "abc", "answer": [1, 2')  # an interrupt in the middle of a line
     code, _, err = _main(args)  # a larger budget: only the answers the log lacks are written
     assert code == 0, err
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(calls) == 40 - first and len(records) == 40 and len({r["where"] for r in records}) == 40
-    assert all(r["loss"].count(True) >= 8 for r in records)
-    monkeypatch.setattr(regenerate, "_answer", lambda *a: pytest.fail("regenerated again"))
-    code, _, err = _main(args)  # every answer is in the log: nothing is generated twice
+    assert len(records) == 40 and len({r["key"] for r in records}) == 40
+    assert all(len(r["answer"]) >= 8 for r in records)
+    # The same data under another name, next to more: only the new file's prompts are answered.
+    moved = tmp_path / "moved.jsonl"
+    data.rename(moved)
+    more = _data(tmp_path / "more.jsonl", records=10, seed=1)
+    code, _, err = _main([*args[:5], str(moved), str(more), *args[6:]])
     assert code == 0, err
+    assert len(log.read_text().splitlines()) == 50
 
 
 def test_regenerated_answers_are_the_targets_plain_greedy_answers(tmp_path: Path) -> None:
@@ -393,3 +393,29 @@ def test_bench_runs_trained_methods_by_default_only_when_given_their_folders() -
     assert "draft" in none_given
     given = default_methods(argparse.Namespace(eagle="e", medusa="m", draft_adapter="a"))
     assert {"eagle", "eagle-tree", "hybrid-eagle", "medusa", "draft-lora"} <= set(given)
+
+
+def test_function_prompts_ask_to_complete_each_documented_function(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("function_prompts", Path(__file__).parents[1] / "scripts" /
+                                                  "function_prompts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    (tmp_path / "m.py").write_text(
+        'def add(a, b):\n    """Sum of a and b."""\n    return a + b\n\n\n'
+        "def bare(x):\n    return x\n\n\n"
+        'class C:\n    @staticmethod\n    def twice(x):\n        """Two x."""\n        y = 2 * x\n        return y\n\n'
+        '    def stub(self):\n        """Only a docstring."""\n')
+    (tmp_path / "broken.py").write_text("def (:\n")
+    out = tmp_path / "functions.jsonl"
+    with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()) as err:
+        assert script.main([str(tmp_path / "*.py"), "--out", str(out)]) == 0
+    assert "skipped" in err.getvalue() and "broken.py" in err.getvalue()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2  # add and twice: `bare` has no docstring, `stub` nothing to complete
+    add, twice = sorted(rows, key=lambda r: "twice" in r["prompt"])
+    assert '"""Sum of a and b."""' in add["prompt"] and "return a + b" not in add["prompt"]
+    assert "return a + b" in add["response"]
+    assert twice["prompt"].count("@staticmethod\ndef twice(x):") == 1  # decorated, dedented
+    assert "y = 2 * x" in twice["response"]

@@ -2,12 +2,14 @@
 target's own words learns what it will be asked to guess, not what the data's author wrote.
 
 The answers are greedy, so prompt lookup drafts them (lossless: the same tokens as plain decoding, ~1.4x sooner on
-a CPU; no draft model to load). Each answer is appended to a JSONL log as soon as it is written, keyed by the
-example's place in the data: an interrupted run resumes after the last one, and a run with a larger --max-tokens
-or another seed writes only the answers it lacks (the log is shared by runs over the same data and target)."""
+a CPU; no draft model to load). Each answer is appended to a JSONL log as soon as it is written, keyed by what it
+depends on: the prompt's tokens and how many tokens it may have (one log per target, as it runs, and length cap).
+An interrupted run resumes after the last answer; a run with a larger --max-tokens, another seed, more files, or
+the same files moved or copied writes only the answers the log lacks."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -22,9 +24,9 @@ from specdecode.training.data import Example
 from specdecode.training.features import settings_key
 
 MIN_ANSWER = 64  # new tokens allowed even where the data's answer was shorter
-# What an answer depends on: the example (its data file and place in it), how long it may be, and the target as
-# it runs. Not the token budget or the seed, which only choose the examples.
-ANSWER_SETTINGS = ("data", "max_len", "target", "form", "device")
+# The settings an answer depends on besides its prompt: the target as it runs and the length cap. Not the data
+# files, the token budget or the seed, which only choose the prompts.
+ANSWER_SETTINGS = ("max_len", "target", "form", "device")
 
 
 def answers_log(root: Path, settings: dict) -> Path:
@@ -39,21 +41,46 @@ def regenerate(target: torch.nn.Module, train: list[Example], held: list[Example
     verify cost curve, which sizes the drafts."""
     log.parent.mkdir(parents=True, exist_ok=True)
     done = _read_log(log)
-    todo = [ex for ex in held + train if ex.where not in done]
+    examples = held + train
+    asks = [_ask(ex, max_len) for ex in examples]
+    todo = {_key(*ask): (ask, ex.where) for ask, ex in zip(asks, examples) if ask is not None}  # each prompt once
+    todo = {key: value for key, value in todo.items() if key not in done}
     engine = Engine(target, NgramDrafter(), num_draft_tokens=None, max_len=max_len + 1, costs=costs)
-    with open(log, "a") as out, tqdm(total=len(held) + len(train), initial=len(held) + len(train) - len(todo),
-                                      desc="target writes the answers", unit="example", dynamic_ncols=True) as bar:
-        for ex in todo:
-            done[ex.where] = answer = _answer(engine, ex, max_len)
-            out.write(json.dumps({"ids": answer.ids, "loss": answer.loss, "where": ex.where}) + "\n")
+    with open(log, "a") as out, tqdm(total=len(examples), initial=len(examples) - len(todo), dynamic_ncols=True,
+                                      desc="target writes the answers", unit="example") as bar:
+        for key, ((prompt, budget), where) in todo.items():
+            done[key] = [t for step in engine.generate(prompt, SamplingParams(max_new_tokens=budget))
+                         for t in step.tokens]
+            out.write(json.dumps({"key": key, "answer": done[key], "where": where}) + "\n")
             out.flush()
             bar.update(1)
-    return [done[ex.where] for ex in train], [done[ex.where] for ex in held]
+    answered = [_answered(ex, ask, done) for ex, ask in zip(examples, asks)]
+    return answered[len(held) :], answered[: len(held)]
 
 
-def _read_log(log: Path) -> dict[str, Example]:
-    """The answers written so far, by example; a line cut short by an interrupt is dropped (and cut off the file,
-    so the next answer starts on a line of its own)."""
+def _ask(ex: Example, max_len: int) -> tuple[list[int], int] | None:
+    """-> (the prompt, how many tokens its answer may have), None when the data's text stays: nothing to prompt
+    with (plain text) or no room left."""
+    first = ex.loss.index(True) if True in ex.loss else len(ex.ids)
+    if first == 0 or first >= max_len - 1:
+        return None
+    return ex.ids[:first], min(max(len(ex.ids) - first, MIN_ANSWER), max_len - first - 1)
+
+
+def _key(prompt: list[int], budget: int) -> str:
+    return hashlib.sha256(json.dumps([prompt, budget]).encode()).hexdigest()[:24]
+
+
+def _answered(ex: Example, ask: tuple[list[int], int] | None, done: dict[str, list[int]]) -> Example:
+    if ask is None:
+        return ex
+    prompt, answer = ask[0], done[_key(*ask)]
+    return Example(prompt + answer, [False] * len(prompt) + [True] * len(answer), ex.where)
+
+
+def _read_log(log: Path) -> dict[str, list[int]]:
+    """The answers written so far, by prompt and budget; a line cut short by an interrupt is dropped (and cut off
+    the file, so the next answer starts on a line of its own)."""
     if not log.is_file():
         return {}
     text = log.read_text()
@@ -61,14 +88,4 @@ def _read_log(log: Path) -> dict[str, Example]:
     if whole != text:
         log.write_text(whole)
     records = (json.loads(line) for line in whole.splitlines())
-    return {r["where"]: Example(r["ids"], r["loss"], r["where"]) for r in records}
-
-
-def _answer(engine: Engine, ex: Example, max_len: int) -> Example:
-    first = ex.loss.index(True) if True in ex.loss else len(ex.ids)
-    prompt = ex.ids[:first]
-    if not prompt or first >= max_len - 1:
-        return ex  # nothing to prompt with (plain text), or no room: keep the data's text
-    budget = min(max(len(ex.ids) - first, MIN_ANSWER), max_len - first - 1)
-    answer = [t for step in engine.generate(prompt, SamplingParams(max_new_tokens=budget)) for t in step.tokens]
-    return Example(prompt + answer, [False] * len(prompt) + [True] * len(answer), ex.where)
+    return {r["key"]: r["answer"] for r in records}
