@@ -49,6 +49,10 @@ class HybridDrafter:
         return self.draft.model
 
     @property
+    def forwards_batch(self) -> bool:  # a draft model's forwards batch across requests (lockstep.py), a head's not
+        return hasattr(self.draft, "drafting")
+
+    @property
     def reads_hidden(self) -> bool:  # an EAGLE head reads every position's target features, copied ones too
         return getattr(self.draft, "reads_hidden", False)
 

@@ -78,5 +78,6 @@ def _forward(model: torch.nn.Module, parts: list[Part], drafters: list) -> list[
 
 
 def batches_forwards(drafter) -> bool:
-    """Whether this drafter is written as a generator of forwards (and so can draft in lockstep with others)."""
-    return hasattr(drafter, "drafting")
+    """Whether this drafter is written as a generator of forwards (and so can draft in lockstep with others); a
+    drafter that wraps another (hybrid.py) says whether the one it wraps is."""
+    return hasattr(drafter, "drafting") and getattr(drafter, "forwards_batch", True)
