@@ -75,7 +75,7 @@ class HybridDrafter:
     def reset(self) -> None:
         self.draft.reset()
         self.ngram.reset()
-        self.used: NgramDrafter | DraftModelDrafter | None = None
+        self.used: NgramDrafter | DraftModelDrafter | EagleDrafter | None = None
         self.record_tokens = self.record_seconds = 0.0  # running means per step of the model (0: no step yet)
         self.costs = None
 
