@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="FILE", help="write the results here, and PNG plots next to it")
     p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for draft, hybrid and hf-assisted")
-    p.add_argument("--eagle", metavar="DIR", help="the EAGLE head for methods eagle and hybrid-eagle (`specdecode train eagle`)")
+    p.add_argument("--eagle", metavar="DIR",
+                   help="the EAGLE head for methods eagle and hybrid-eagle (`specdecode train eagle`)")
     p.add_argument("--medusa", metavar="DIR", help="the Medusa heads for method medusa (`specdecode train medusa`)")
     p.add_argument("--draft-adapter", metavar="DIR",
                    help="the LoRA adapter for method draft-lora (`specdecode train draft`): the tuned draft beside "

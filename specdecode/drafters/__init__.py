@@ -18,8 +18,8 @@ DRAFTERS: dict[str, type] = {
     "hybrid-eagle": HybridDrafter,  # prompt lookup where the context repeats, the EAGLE head elsewhere
 }
 
-__all__ = ["DRAFTERS", "HEAD_KIND", "Draft", "DraftContext", "Drafter", "DraftModelDrafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter",
-           "NgramDrafter", "NoDrafter"]
+__all__ = ["DRAFTERS", "HEAD_KIND", "Draft", "DraftContext", "Drafter", "DraftModelDrafter", "EagleDrafter",
+           "HybridDrafter", "MedusaDrafter", "NgramDrafter", "NoDrafter"]
 HEAD_KIND = {"eagle": "eagle", "medusa": "medusa", "hybrid-eagle": "eagle"}  # method -> the head its --draft holds
 TRAINED = tuple(HEAD_KIND)  # methods whose --draft is a trained head folder (`specdecode train KIND`)
 USES_DRAFT_MODEL = ("draft", "hybrid")  # methods whose --draft is a draft model
