@@ -32,12 +32,11 @@ def functions(source: str) -> Iterator[tuple[str, str]]:
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or ast.get_docstring(node) is None:
             continue
-        doc = node.body[0]
+        if len(node.body) == 1:  # a docstring and nothing else: nothing to complete
+            continue
         start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-        head = textwrap.dedent("".join(lines[start : doc.end_lineno]))
-        whole = textwrap.dedent("".join(lines[start : node.end_lineno]))
-        if len(node.body) > 1:  # a body beyond the docstring: something to complete
-            yield head, whole
+        yield (textwrap.dedent("".join(lines[start : node.body[0].end_lineno])),
+               textwrap.dedent("".join(lines[start : node.end_lineno])))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,10 +105,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def head_folders(args: argparse.Namespace) -> dict[str, str | None]:
+    """Each trained method -> the folder given for its kind of head (--eagle, --medusa), None if not given."""
+    return {method: getattr(args, kind) for method, kind in HEAD_KIND.items()}
+
+
 def default_methods(args: argparse.Namespace) -> list[str]:
     """Every method, but a trained one only when its folder was given."""
-    given = {"eagle": args.eagle, "medusa": args.medusa, TUNED_DRAFT: args.draft_adapter}
-    given |= {method: given[kind] for method, kind in HEAD_KIND.items()}
+    given = {**head_folders(args), TUNED_DRAFT: args.draft_adapter}
     return [m for m in all_methods() if given.get(drafter_and_shape(m)[0], True)]
 
 
@@ -116,10 +120,9 @@ def trained_folders(args: argparse.Namespace, methods: list[str]) -> dict[str, s
     """eagle / hybrid-eagle / medusa -> the folder given for its head; a trained method without one is an error
     before any load."""
     folders = {}
-    given = {"eagle": args.eagle, "medusa": args.medusa}
-    for method, kind in HEAD_KIND.items():
+    for method, folder in head_folders(args).items():
         if any(m == method or m.startswith(f"{method}-") for m in methods):
-            folder = given[kind]
+            kind = HEAD_KIND[method]
             if not folder or not Path(folder).is_dir():
                 raise SpecdecodeError(f"method {method} needs --{kind} DIR: the folder `specdecode train {kind}` "
                                       "wrote" + (f" ('{folder}' is not a folder)" if folder else ""))

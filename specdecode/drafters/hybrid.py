@@ -100,7 +100,7 @@ class HybridDrafter:
                 self.draft.sat_out(ctx)
             return copied
         self.used = self.draft
-        if not hasattr(self.draft, "drafting"):  # a head drafts in its own forwards, never batched
+        if not self.forwards_batch:  # a head drafts in its own forwards
             return self.draft.propose(ctx, max_tokens)
         return (yield from self.draft.drafting(ctx, max_tokens))
 

@@ -43,8 +43,9 @@ def regenerate(target: torch.nn.Module, train: list[Example], held: list[Example
     done = _read_log(log)
     examples = held + train
     asks = [_ask(ex, max_len) for ex in examples]
-    todo = {_key(*ask): (ask, ex.where) for ask, ex in zip(asks, examples) if ask is not None}  # each prompt once
-    todo = {key: value for key, value in todo.items() if key not in done}
+    keys = [None if ask is None else _key(*ask) for ask in asks]
+    todo = {key: (ask, ex.where) for key, ask, ex in zip(keys, asks, examples)  # each prompt once
+            if key is not None and key not in done}
     engine = Engine(target, NgramDrafter(), num_draft_tokens=None, max_len=max_len + 1, costs=costs)
     with open(log, "a") as out, tqdm(total=len(examples), initial=len(examples) - len(todo), dynamic_ncols=True,
                                       desc="target writes the answers", unit="example") as bar:
@@ -54,7 +55,8 @@ def regenerate(target: torch.nn.Module, train: list[Example], held: list[Example
             out.write(json.dumps({"key": key, "answer": done[key], "where": where}) + "\n")
             out.flush()
             bar.update(1)
-    answered = [_answered(ex, ask, done) for ex, ask in zip(examples, asks)]
+    answered = [ex if ask is None else _answered(ex, ask[0], done[key])
+                for ex, ask, key in zip(examples, asks, keys)]
     return answered[len(held) :], answered[: len(held)]
 
 
@@ -71,10 +73,7 @@ def _key(prompt: list[int], budget: int) -> str:
     return hashlib.sha256(json.dumps([prompt, budget]).encode()).hexdigest()[:24]
 
 
-def _answered(ex: Example, ask: tuple[list[int], int] | None, done: dict[str, list[int]]) -> Example:
-    if ask is None:
-        return ex
-    prompt, answer = ask[0], done[_key(*ask)]
+def _answered(ex: Example, prompt: list[int], answer: list[int]) -> Example:
     return Example(prompt + answer, [False] * len(prompt) + [True] * len(answer), ex.where)
 
 
