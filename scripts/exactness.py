@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, build_drafter, verify_costs
+from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, verify_costs
 from specdecode.bench.loaders import drafter_and_shape
 from specdecode.drafters import NoDrafter
-from specdecode.loading import load_model, plan_load
+from specdecode.loading import load_models, plan_load
+from specdecode.methods import build_drafter
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -61,14 +62,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
     plan = plan_load(args.target, args.draft, args.dtype, "cpu", weights=args.weights)
-    target, tok = load_model(args.target, plan.dtype, "cpu", plan.quantize, plan.weights)
-    draft, _ = load_model(args.draft, plan.dtype, "cpu", plan.draft_quantize, plan.draft_weights)
+    models = load_models(args.target, args.draft, plan, "cpu")
+    target, tok = models.target, models.tokenizer
     costs = verify_costs(target, args.target, plan, "cpu")
     methods = {}
     for method in args.methods.split(","):
         name, shape = drafter_and_shape(method)
-        methods[method] = SpecDecoder(target, tok, build_drafter(name, target, draft, 3, shape), method, None,
-                                      costs=costs)
+        methods[method] = SpecDecoder(target, tok, build_drafter(name, models, shape), method, None, costs=costs)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     total = mismatches = 0
     seconds = {m: 0.0 for m in ["none", *methods]}

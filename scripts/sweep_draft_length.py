@@ -30,11 +30,12 @@ def main() -> None:
                + [(r["turns"][0], True) for r in rows("mt_bench.jsonl", 10, 12)]
                + [(r["question"], True) for r in rows("gsm8k_dev.jsonl", 3, 4)])
     decoder = SpecDecoder.load(method="draft")
-    draft_model, vocab = decoder.engine.drafter.model, decoder.engine.target.config.vocab_size
+    drafter, vocab = decoder.engine.drafter, decoder.engine.target.config.vocab_size
     params = SamplingParams(max_new_tokens=96)
     decoder.generate(prompts[0][0], SamplingParams(max_new_tokens=8))  # warm-up
     for k, confidence in settings:
-        decoder.engine.drafter = DraftModelDrafter(draft_model, vocab_size=vocab, min_confidence=confidence)
+        decoder.engine.drafter = DraftModelDrafter(drafter.model, vocab_size=vocab, min_confidence=confidence,
+                                                   head_tokens=drafter.head_tokens)
         tokens = seconds = 0.0
         lengths = []
         for text, chat in prompts:

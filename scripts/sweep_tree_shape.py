@@ -39,7 +39,7 @@ def main() -> None:
     decoders = {}
     for width, expand in shapes:
         drafter = DraftModelDrafter(engine.drafter.model, vocab_size=engine.target.config.vocab_size,
-                                    width=width, expand=expand)
+                                    width=width, expand=expand, head_tokens=engine.drafter.head_tokens)
         decoders[width, expand] = SpecDecoder(engine.target, base.tokenizer, drafter, "draft", None,
                                               costs=engine.costs)
     totals = {shape: [0, 0.0, 0, 0] for shape in shapes}  # tokens, seconds, target forwards, drafted tokens

@@ -1,14 +1,10 @@
-"""How many draft tokens to verify: chosen from what a target forward costs on this machine.
+"""What a target forward costs on this machine: the verify cost curve C(m), for a forward over m tokens.
 
-A verify forward over m tokens costs C(m), measured once per model, weights, dtype and machine and cached (a few
-seconds), then lowered to the fastest times the engine sees in use (a measurement that caught a slow spell of a
-shared machine would otherwise skew every choice). A drafter scores each node with its estimate that the node is accepted (for a draft model the product
-of its own probabilities along the path). Keeping the best n nodes is expected to emit 1 + (sum of their scores)
-tokens (the expected accepted length of a tree is the sum over its nodes of P(node accepted), plus the target's own
-token) in D + C(n + 1) seconds, D being what drafting took. The chooser keeps the n that maximises that ratio.
-On a GPU C is flat and n grows; on a CPU, where C(8) is 1.6x C(1), it stays small. The batch engine (batch.py)
-also needs C at batch sizes (many requests' rows, prompt chunks): a few are measured up to 128 rows, and the
-curve is linear between measured sizes.
+Measured once per model, weights, dtype and machine and cached (a few seconds), then lowered to the fastest times
+the engine sees in use (a measurement that caught a slow spell of a shared machine would otherwise skew every
+choice). The planner (planner.py) makes every draft-size decision from it. On a GPU C is flat; on a CPU, where
+C(8) is 1.1-1.6x C(1), it is not. The engine also needs C at batch sizes (many requests' rows, prompt chunks): a
+few are measured up to 128 rows, and the curve is linear between measured sizes.
 """
 
 from __future__ import annotations
@@ -68,21 +64,6 @@ class CostCurve:
         """Cost relative to a one-token forward, for reports."""
         return [s / self.seconds[0] for s in self.seconds]
 
-    def best_count(self, scores: list[float], draft_seconds: float = 0.0, tokens: float = 1.0,
-                   rows: int = 1, sunk_rows: int = 0) -> int:
-        """How many of the nodes (scores sorted best first) to verify: argmax (1 + sum) / (D + C(n + 1)).
-        In a batch the forward also carries `rows` other rows that yield `tokens` tokens without any draft (a
-        request's root each), and `sunk_rows` of prompt chunks, paid for whatever is drafted: the nodes then
-        cost what they add at that size, C(all + n) - C(all), on top of C(rows)."""
-        every = rows + sunk_rows
-        best, best_rate, expected = 0, tokens / (draft_seconds + self.cost(rows)), tokens
-        for n, score in enumerate(scores, start=1):
-            expected += score
-            rate = expected / (draft_seconds + self.cost(rows) + self.cost(every + n) - self.cost(every))
-            if rate > best_rate:
-                best, best_rate = n, rate
-        return best
-
     def to_dict(self) -> dict:
         return {"seconds": list(self.seconds), "ratio_to_one_token": [round(r, 3) for r in self.ratios()],
                 "batch_sizes": [[m, s] for m, s in self.tail]}
@@ -90,8 +71,7 @@ class CostCurve:
 
 def machine_key() -> str:
     """What makes a timing comparable: CPU model and flags (or GPU name), threads, torch and kernel versions."""
-    from specdecode.bench.machine import cpu_model
-    from specdecode.kernels import build_key, cpu_flags
+    from specdecode.kernels import build_key, cpu_flags, cpu_model
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     return (f"{platform.machine()} {cpu_model()} {' '.join(cpu_flags())} {gpu} threads={torch.get_num_threads()} "

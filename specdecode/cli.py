@@ -9,10 +9,10 @@ import argparse
 import json
 import sys
 
-from specdecode.api import default_shape
 from specdecode.bench.cli import add_parser as add_bench_parser
 from specdecode.cli_args import add_model_args, add_sampling_args, load_decoder, sampling_params
 from specdecode.errors import SpecdecodeError
+from specdecode.methods import get_method, shape_of
 from specdecode.server.cli import add_parser as add_serve_parser
 from specdecode.training.cli import add_parser as add_train_parser
 
@@ -34,7 +34,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(f"{ACCEPTED_COLOR}{piece}{RESET}" if color and drafted and piece else piece)
         sys.stdout.flush()
     s = decoder.stats
-    shape = f" {args.draft_shape or default_shape(args.method)}" if args.method != "none" else ""
+    shape = f" {shape_of(args.method, args.draft_shape)}" if get_method(args.method).drafts else ""
     print(f"\n\n[{args.method}{shape}] {s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.2f} tok/s), "
           f"mean accepted length {s.mean_accepted_length:.2f}, draft tokens verified per step "
           f"{s.nodes_per_step:.1f} ({s.draft_budget}), acceptance {s.acceptance_rate:.1%}, "

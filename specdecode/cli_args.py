@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_SHAPES
+from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdecode.config import SamplingParams
-from specdecode.drafters import DRAFTERS
+from specdecode.methods import DEFAULT_METHOD, METHODS, SHAPES
 from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
 
 
@@ -20,15 +20,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "eagle, hybrid-eagle or medusa: the folder `specdecode train` wrote")
     p.add_argument("--draft-adapter", default=None, metavar="DIR",
                    help="a LoRA adapter for the draft model (`specdecode train draft`)")
-    p.add_argument("--method", default="hybrid", choices=list(DRAFTERS),
-                   help="how tokens are drafted (hybrid: prompt lookup where it pays, else the draft model; "
-                        "hybrid-eagle: the same with a trained EAGLE head instead of the draft model)")
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS),
+                   help="how tokens are drafted: " + "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values()))
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="draft tokens verified per step (default: chosen each step from what a verify forward "
                         "costs on this machine, measured once and cached)")
-    p.add_argument("--draft-shape", default=None, choices=list(DRAFT_SHAPES),
+    p.add_argument("--draft-shape", default=None, choices=list(SHAPES),
                    help="tree: several guesses per position, verified at once; chain: one guess per position "
-                        "(default: chain for draft and hybrid, tree for ngram and the trained heads)")
+                        "(default: " + ", ".join(f"{m.name} {m.default_shape}" for m in METHODS.values()
+                                                 if m.drafts) + ")")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_weight_args(p)

@@ -13,6 +13,7 @@ from specdecode.errors import SpecdecodeError
 
 # Families model.py implements natively; anything else goes through hf_model.HFModel.
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+NATIVE_ROPE_SCALING = ("linear", "llama3")
 
 
 @dataclass
@@ -37,9 +38,8 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type", "llama")
         if model_type not in NATIVE_MODEL_TYPES:
-            raise SpecdecodeError(
-                f"model type '{model_type}' has no native implementation; load it with backend='hf'"
-            )
+            raise SpecdecodeError(f"model type '{model_type}' has no native implementation (loading.load_model runs it "
+                                  "through transformers)")
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -75,9 +75,17 @@ def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return None
-    if kind not in ("linear", "llama3"):
-        raise SpecdecodeError(f"rope scaling '{kind}' is not supported natively; load the model with backend='hf'")
+    if kind not in NATIVE_ROPE_SCALING:
+        raise SpecdecodeError(f"rope scaling '{kind}' has no native implementation (loading.load_model runs such a "
+                              "model through transformers)")
     return dict(scaling, rope_type=kind)
+
+
+def runs_natively(hf: dict[str, Any]) -> bool:
+    """Whether the native model (model.py) implements this HF config; the others run through transformers."""
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    return hf.get("model_type") in NATIVE_MODEL_TYPES and kind in ("default", *NATIVE_ROPE_SCALING)
 
 
 @dataclass

@@ -1,94 +1,278 @@
-"""The speculative decoding loop for one request: prefill, then propose -> verify -> commit until a stop.
+"""The speculative decoding engine: every running request advances in ONE target forward per step.
 
-Each decode step feeds the target the last committed token (the root) followed by the draft, all in one forward;
-the verifier keeps a path of the draft and adds one token of the target's own (sequence.py holds the request's
-state and those steps; batch.py drives many requests through one forward). When the draft size is automatic, the
-budget chooser (budget.py) first keeps the draft's best nodes for this machine's verify costs.
-The engine knows token ids only; text, stop strings and chat templates live one layer up (api.py).
+    engine = Engine(target, drafter, num_draft_tokens=None, costs=curve)
+    seq = engine.add(prompt_ids, params)           # joins the next step
+    for seq, step in engine.step(): ...             # one forward for everyone; finished requests leave
+    for step in engine.generate(prompt_ids, params): ...   # one request alone: a batch of one
+
+Each step, every decoding request the planner lets draft proposes its own draft (its own drafter, a fork of the
+engine's), and the rows of all of them, [root, *draft] each, plus chunks of prompts still being prefilled, go
+through one ragged forward (`forward_parts`: rows concatenated, no padding; attention per request against its own
+cache). Each request is then verified with its own sampling settings and generator, keeps or drops its own cache
+slots (sequence.py), and requests join or leave between steps. A long prompt is fed in chunks while others decode,
+so it does not stall their inter-token latency. Draft models' forwards are batched across requests too
+(drafters/lockstep.py). Every cost decision (who drafts, how many nodes are verified) is the planner's
+(planner.py); the engine knows token ids only: text, stop strings and chat templates live one layer up (api.py).
+
+Exactness: in decode mode every row is computed as its own one-token forward would be (the CPU kernels make rows
+independent of each other), prompt chunks included on the CPU, so a request's tokens do not depend on what it was
+batched with or how its prompt was chunked; a seeded sampled request draws from its own generator. On a GPU a
+prompt chunk is one attention call (its kernels are not batch-invariant in any case).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.lockstep import run_batched
 from specdecode.errors import SpecdecodeError
-from specdecode.model import prompt_as_decode_rows
-from specdecode.sequence import MAX_AUTO_NODES, Sequence, Step
-from specdecode.stats import GenerationStats
+from specdecode.model import Part, prompt_as_decode_rows
+from specdecode.planner import MAX_AUTO_NODES, Planner
+from specdecode.sequence import Sequence, Step
 
-__all__ = ["MAX_AUTO_NODES", "Engine", "Step", "check_prompt"]
+__all__ = ["Engine", "Sequence", "Step", "StepInfo", "check_prompt", "kv_budget_tokens"]
+
+PREFILL_ROWS_BUSY = 64  # prompt rows per step while other requests decode (their inter-token latency)
+PREFILL_ROWS_IDLE = 512  # prompt rows per step when nobody decodes
+
+Outcome = tuple[Sequence, "Step | Exception"]
+
+
+@dataclass
+class StepInfo:
+    """What the last step did, for /metrics."""
+
+    requests: int = 0  # requests with rows in the forward (decoding and prefilling)
+    rows: int = 0
+    prefill_rows: int = 0
+    draft_tokens: list[int] = field(default_factory=list)  # per decoding request, the draft size verified
 
 
 class Engine:
     def __init__(self, target: torch.nn.Module, drafter: Drafter, num_draft_tokens: int | None = 4,
-                 max_len: int = 8192, costs: CostCurve | None = None) -> None:
-        """`num_draft_tokens` None = automatic: up to MAX_AUTO_NODES, cut by the chooser from `costs`."""
+                 max_len: int = 8192, costs: CostCurve | None = None, max_running: int = 16,
+                 kv_budget_tokens: int | None = None) -> None:
+        """`drafter`: each request drafts with its own `drafter.fork()`. `num_draft_tokens` None = automatic
+        (needs `costs`, the target's verify cost curve). `kv_budget_tokens`: cache slots all running requests may
+        reserve together (None: max_running full windows)."""
         self.target = target
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
-        self.costs = costs
+        self.planner = Planner(costs)
         self.max_len = min(max_len, target.max_context)
-        self.cache = None  # allocated on first use, reused across requests
-        self.sequence: Sequence | None = None  # the request in progress, or the last one
+        self.set_limits(max_running, kv_budget_tokens)
+        self.running: list[Sequence] = []
+        self.reserved: dict[Sequence, int] = {}
+        self.last_step = StepInfo()
+        self.last: Sequence | None = None  # the request `generate` ran last
+        self.eos = tuple(target.config.eos_token_ids)
+        self.prompt_decode = prompt_as_decode_rows(target)
+
+    def set_limits(self, max_running: int, kv_budget_tokens: int | None = None) -> None:
+        self.max_running = max_running
+        self.kv_budget_tokens = kv_budget_tokens or max_running * self.max_len
 
     @property
-    def stats(self) -> GenerationStats:
-        """Statistics of the request in progress, or the last one."""
-        return self.sequence.stats if self.sequence is not None else GenerationStats()
+    def costs(self) -> CostCurve | None:
+        """The verify cost curve, as lowered by the forwards seen so far."""
+        return self.planner.costs
+
+    # --- admission -------------------------------------------------------------------------------------------
+
+    def reservation(self, prompt_len: int, params: SamplingParams) -> int:
+        """Cache slots a request may need: prompt, every new token, and one full draft beyond."""
+        return min(self.max_len, prompt_len + params.max_new_tokens + MAX_AUTO_NODES + 1)
 
     @property
-    def tokens(self) -> list[int]:
-        """Prompt + emitted tokens of that request."""
-        return self.sequence.tokens if self.sequence is not None else []
+    def kv_reserved(self) -> int:
+        return sum(self.reserved.values())
+
+    def can_admit(self, prompt_len: int, params: SamplingParams) -> bool:
+        return (len(self.running) < self.max_running
+                and self.kv_reserved + self.reservation(prompt_len, params) <= self.kv_budget_tokens)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> None:
+        """Raise SpecdecodeError for a request this engine could never run."""
+        check_prompt(prompt_ids, self.max_len)
+        need = self.reservation(len(prompt_ids), params)
+        if need > self.kv_budget_tokens:
+            raise SpecdecodeError(f"the request needs {need} KV cache slots (prompt + max_tokens + a draft) but "
+                                  f"the KV budget is {self.kv_budget_tokens}: lower max_tokens or shorten the prompt")
+        self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> Sequence:
+        """Start a request; it joins the next step. Check `can_admit` first (this raises when it cannot).
+        `num_draft_tokens` overrides the engine's draft size for this request (None = the engine's)."""
+        self.check(prompt_ids, params, num_draft_tokens)
+        if not self.can_admit(len(prompt_ids), params):
+            raise SpecdecodeError("the batch is full: wait for a running request to finish")
+        need = self.reservation(len(prompt_ids), params)
+        # Slots are reserved in full but allocated as they fill: most answers end long before max_tokens.
+        cache = self.target.new_cache(1, min(need, max(len(prompt_ids) + MAX_AUTO_NODES + 1, 256)))
+        drafter = self.drafter.fork()
+        k = self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
+        seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos, k, self.target.device)
+        seq.stats.verify_costs = self.costs if seq.auto else None
+        self.running.append(seq)
+        self.reserved[seq] = need
+        self.planner.join(seq)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a request (finished, cancelled or failed); its cache is freed with it."""
+        if seq in self.reserved:
+            self.running.remove(seq)
+            del self.reserved[seq]
+            self.planner.leave(seq)
+
+    def stop(self, seq: Sequence, dropped: int) -> None:
+        """A stop string one layer up ended `seq` inside its last step: its last `dropped` tokens are not output."""
+        seq.stop(dropped)
+        self.remove(seq)
+
+    # --- one request alone ----------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  num_draft_tokens: int | None = None) -> Iterator[Step]:
-        """Yield one Step per target forward; the first comes from prefill. Stats land in `self.stats`.
-        `num_draft_tokens` overrides the engine's draft size for this request (None = the engine's)."""
-        check_prompt(prompt_ids, self.max_len)
-        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        if k is None and self.costs is None:
-            raise SpecdecodeError("an automatic draft size needs the verify cost curve: give num_draft_tokens")
-        return self._run(list(prompt_ids), params, k)
+        """Run one request alone: yield one Step per target forward that emitted tokens (the first from prefill).
+        Its Sequence (tokens, stats) is `self.last`. Close the iterator to stop early."""
+        if self.last is not None:
+            self.remove(self.last)  # an earlier generate left unfinished (its iterator dropped, not closed)
+        if self.running:
+            raise SpecdecodeError("generate runs one request alone; this engine is serving others (use add/step)")
+        self.last = self.add(prompt_ids, params, num_draft_tokens)
+        return self._run_alone(self.last)
+
+    def _run_alone(self, seq: Sequence) -> Iterator[Step]:
+        try:
+            while seq in self.reserved:
+                for _, outcome in self.step():
+                    if isinstance(outcome, Exception):
+                        raise outcome
+                    yield outcome
+        finally:
+            self.remove(seq)  # closed early (a stop string) or failed
+
+    # --- one step -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _run(self, tokens: list[int], params: SamplingParams, num_draft_tokens: int | None) -> Iterator[Step]:
-        if self.cache is None:
-            self.cache = self.target.new_cache(1, self.max_len)
-        self.cache.reset()
-        self.drafter.reset()
-        seq = self.sequence = Sequence(tokens, params, self.drafter, self.cache, self.max_len,
-                                       tuple(self.target.config.eos_token_ids), num_draft_tokens, self.costs,
-                                       self.target.device)
-        # A drafter that reads the target's inner layers (an EAGLE head) has them returned after the final hidden
-        # state; set per request, since decoders in one process (the benchmark's) share the target.
-        self.target.feature_layers = tuple(getattr(self.drafter, "feature_layers", ()))
-        part = seq.prefill_part()
-        logits, hidden = self.target(part.tokens[None], part.positions[None], self.cache, part.attn_mask,
-                                     logits_from=part.logits_from, decode=prompt_as_decode_rows(self.target))
-        step = seq.prefilled(part.tokens.numel(), logits[0], hidden[0])
-        yield step
-        while step.finish_reason is None:
-            draft = seq.propose()
-            if seq.auto and draft.scores and len(draft):
-                ranked = sorted(draft.scores, reverse=True)
-                seq.keep_best(self.costs.best_count(ranked, time.perf_counter() - seq.step_started))
-            part = seq.verify_part()
-            # decode=True: every row as a one-token forward of its path computes it, so `none` and every drafter
-            # agree bit for bit.
+    def step(self) -> list[Outcome]:
+        """One target forward for every running request -> the Steps of those that emitted tokens (a request
+        still prefilling emits nothing), or the exception that ended one. Finished requests are removed."""
+        decoding = [s for s in self.running if not s.prefilling]
+        parts: list[Part] = []
+        owners: list[Sequence] = []
+        room = PREFILL_ROWS_BUSY if decoding else PREFILL_ROWS_IDLE
+        for seq in self.running:
+            if seq.prefilling and room > 0:
+                n = min(room, seq.prompt_left)
+                self._ensure_slots(seq, seq.fed + n)
+                parts.append(seq.prefill_part(n, self.prompt_decode))
+                owners.append(seq)
+                room -= n
+        prefill_rows = sum(p.tokens.numel() for p in parts)
+        results: list[Outcome] = self._draft(decoding, prefill_rows)
+        broken = {id(seq) for seq, _ in results}
+        decoding = [seq for seq in decoding if id(seq) not in broken]
+        for seq in decoding:
+            self._ensure_slots(seq, seq.cache.length + len(seq.draft) + 1)
+            parts.append(seq.verify_part())
+            owners.append(seq)
+        if not parts:
+            return self._finish(results)
+        began = time.perf_counter()
+        # Every part in decode mode (prompts too, on the CPU): rows as if alone. Drafters of one engine are forks
+        # of one, so they read the same target layers.
+        outputs = self.target.forward_parts(parts, self.drafter.feature_layers)
+        rows = sum(p.tokens.numel() for p in parts)
+        if self.target.device.type == "cpu":  # CUDA runs ahead of the clock: its curve stays as measured
+            self.planner.observe(rows, time.perf_counter() - began)
+        for seq, part, (logits, hidden) in zip(owners, parts, outputs):
+            try:
+                if seq.prefilling:
+                    step = seq.prefilled(part.tokens.numel(), logits, hidden)
+                else:
+                    step = seq.verified(logits, hidden)
+                    self.planner.learn(seq, step)
+            except Exception as e:  # noqa: BLE001 - a drafter's bug must cost one request, not the batch
+                results.append((seq, e))
+                continue
+            if step is not None:
+                results.append((seq, step))
+        self.last_step = StepInfo(len(owners), rows, prefill_rows, [len(s.draft) for s in decoding])
+        return self._finish(results)
+
+    def _finish(self, results: list[Outcome]) -> list[Outcome]:
+        """Remove the requests that ended (finished or failed) -> `results`."""
+        for seq, outcome in results:
+            if isinstance(outcome, Exception) or outcome.finish_reason is not None:
+                self.remove(seq)
+        return results
+
+    def _draft(self, decoding: list[Sequence], prefill_rows: int) -> list[tuple[Sequence, Exception]]:
+        """The requests the planner chooses propose; the others decode plainly this step. Then the planner cuts
+        the automatic drafts together."""
+        chosen = self.planner.choose(decoding, prefill_rows)
+        asked: list[tuple[Sequence, int, DraftContext]] = []  # (request, budget, context) of those who draft
+        for seq in decoding:
+            if seq not in chosen:
+                seq.skip_draft()  # its drafter catches up when it drafts again
+                continue
+            budget, ctx = seq.draft_request(self.planner.plan(seq, len(decoding), prefill_rows))
+            if seq.proposed:
+                asked.append((seq, budget, ctx))
+            else:
+                seq.proposed_draft(Draft.empty(self.target.device))
+        failed = self._propose_all(asked)
+        broken = {id(s) for s, _ in failed}
+        self.planner.cut([s for s in decoding if id(s) not in broken], prefill_rows)
+        return failed
+
+    def _propose_all(self, asked: list[tuple[Sequence, int, DraftContext]]) -> list[tuple[Sequence, Exception]]:
+        """Every asked drafter proposes. Those whose forwards batch (a draft model's) run together, one forward of
+        their model per depth for all of them (drafters/lockstep.py); the others one after another. Each request
+        is charged its share of the time."""
+        failed, together = [], []
+        for seq, budget, ctx in asked:
+            if seq.drafter.forward_model is not None:
+                together.append((seq, budget, ctx))
+                continue
             began = time.perf_counter()
-            logits, hidden = self.target(part.tokens[None], part.positions[None], self.cache, part.attn_mask,
-                                         decode=True)
-            if seq.auto and self.target.device.type == "cpu":  # CUDA runs ahead of the clock: its curve stays
-                self.costs = seq.costs = self.costs.observe(part.tokens.numel(), time.perf_counter() - began)
-            step = seq.verified(logits[0], hidden[0])
-            yield step
+            try:
+                seq.proposed_draft(seq.drafter.propose(ctx, budget))
+            except Exception as e:  # noqa: BLE001 - a drafter's bug must cost one request, not the batch
+                failed.append((seq, e))
+            seq.draft_seconds = time.perf_counter() - began  # its own time, not the others' before it
+        if not together:
+            return failed
+        began = time.perf_counter()
+        drafts = run_batched([(seq.drafter.drafting(ctx, budget), seq.drafter.forward_model, seq.drafter)
+                              for seq, budget, ctx in together])
+        share = (time.perf_counter() - began) / len(together)
+        self.planner.drafted_together(len(together))
+        for (seq, _, _), draft in zip(together, drafts):
+            if isinstance(draft, Exception):
+                failed.append((seq, draft))
+                continue
+            try:
+                seq.proposed_draft(draft)
+            except Exception as e:  # noqa: BLE001
+                failed.append((seq, e))
+                continue
+            seq.draft_seconds = share
+        return failed
+
+    def _ensure_slots(self, seq: Sequence, needed: int) -> None:
+        cache = seq.cache
+        if cache.max_len < needed:
+            cache.grow(min(self.reserved[seq], max(needed, 2 * cache.max_len)))
 
 
 def check_prompt(prompt_ids: list[int], max_len: int) -> None:
@@ -99,3 +283,13 @@ def check_prompt(prompt_ids: list[int], max_len: int) -> None:
             f"the prompt has {len(prompt_ids)} tokens but the context window is {max_len}: "
             "shorten the prompt or raise max_len"
         )
+
+
+def kv_budget_tokens(target: torch.nn.Module, gib: float) -> int | None:
+    """Cache slots that fit in `gib` GiB of keys and values (None for a model whose cache size is unknown)."""
+    try:
+        config = target.config
+        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * target.dtype.itemsize
+    except AttributeError:
+        return None
+    return int(gib * 2**30 // per_token)

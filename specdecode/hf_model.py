@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecdecodeError
+from specdecode.model import Part, forward_each
 
 
 @dataclass
@@ -49,7 +50,6 @@ class HFModel(nn.Module):
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         self.config = HFConfig(eos_ids, hf.vocab_size)
         self.max_context = getattr(hf, "max_position_embeddings", 4096)
-        self.feature_layers: tuple[int, ...] = ()  # as Transformer.feature_layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -70,6 +70,7 @@ class HFModel(nn.Module):
         attn_mask: torch.Tensor,  # [B or 1, 1, T, S]; must be causal over a contiguous prefix
         logits_from: int = 0,
         decode: bool = False,  # accepted for the shared contract; transformers' kernels are not batch-invariant
+        feature_layers: tuple[int, ...] = (),  # as Transformer.forward
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start, count = cache.length, tokens.shape[1]
         if attn_mask.shape[-1] != start + count or not bool(attn_mask[..., start:].tril().eq(attn_mask[..., start:]).all()):
@@ -83,5 +84,9 @@ class HFModel(nn.Module):
             output_hidden_states=True,
             logits_to_keep=count - logits_from,
         )
-        features = [out.hidden_states[i] for i in self.feature_layers]  # [i] is the input of layer i
+        features = [out.hidden_states[i] for i in feature_layers]  # [i] is the input of layer i
         return out.logits.float(), torch.cat((out.hidden_states[-1], *features), dim=-1)
+
+    def forward_parts(self, parts: list[Part], feature_layers: tuple[int, ...] = ()
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return forward_each(self, parts, feature_layers)

@@ -1,21 +1,24 @@
 """Build a ready-to-run model from any source: the native Transformer when the family is known, else transformers.
 
 `weights.load_checkpoint` finds the tensors (packaged name, GGUF file, HF folder, hub id); this module picks the
-implementation, the dtype and the device.
+implementation, the dtype and the device. `load_models` is the one builder of what a method runs over (the
+target, its tokenizer, a draft model ready to draft), for the API and the benchmark alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig
+from specdecode.config import ModelConfig, runs_natively
 from specdecode.errors import SpecdecodeError
 from specdecode.hf_model import HFModel
 from specdecode.kernels import cpu_flags, cpu_kernels
 from specdecode.model import Transformer, rope_inv_freq
 from specdecode.quantize import apply_packed_, quantize_, resolve_mode
+from specdecode.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
 from specdecode.weights import load_checkpoint, load_tokenizer, resolve_source  # noqa: F401  (re-exported)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -101,7 +104,7 @@ def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: s
     if weights == "stored":
         return _stored(resolve_source(source), dtype)
     ckpt = load_checkpoint(source, dtype)
-    if ckpt.config.get("model_type") in NATIVE_MODEL_TYPES:
+    if runs_natively(ckpt.config):
         # Every linear layer on the CPU kernel (where it runs), so verify forwards are cheap and exact.
         return quantize_(_native(ckpt.config, ckpt.state_dict, device), quantize), ckpt.tokenizer
     model = _transformers(ckpt.config, ckpt.state_dict, dtype, device)
@@ -126,7 +129,7 @@ def _stored(gguf, dtype: torch.dtype) -> tuple[Transformer, object]:
     from specdecode.gguf_stored import load_stored
 
     ckpt = load_stored(gguf)
-    if ckpt.config.get("model_type") not in NATIVE_MODEL_TYPES:
+    if not runs_natively(ckpt.config):
         raise SpecdecodeError(f"{gguf.name}: weights as stored run on the native llama-family model only; "
                               "use --weights float for this architecture")
     config = ModelConfig.from_hf(ckpt.config)
@@ -156,3 +159,50 @@ def _transformers(hf_config: dict, state_dict: dict[str, torch.Tensor], dtype: t
     model.load_state_dict(state_dict, strict=False, assign=True)
     model.tie_weights()
     return HFModel(model.to(device))
+
+
+@dataclass
+class Models:
+    """What a method's drafter is built over (methods.py), loaded once."""
+
+    target: torch.nn.Module  # the engine's forward contract (native or transformers)
+    tokenizer: Any
+    draft: torch.nn.Module | None = None  # the draft model, for methods that run one
+    draft_head_tokens: torch.Tensor | None = None  # the vocabulary id of each logit of its cut LM head
+    trained: str | None = None  # the folder `specdecode train` wrote, for methods that run a trained head
+
+
+def load_models(target: str, draft: str | None, plan: LoadPlan, device: str = "cpu", adapter: str | None = None,
+                draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None,
+                trained: str | None = None) -> Models:
+    """The target as `plan` runs it and, when `draft` is given, the draft model (`load_draft`)."""
+    model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
+    models = Models(model, tokenizer, trained=trained)
+    if draft is not None:
+        models.draft, models.draft_head_tokens = load_draft(draft, plan, device, tokenizer, target, adapter,
+                                                            draft_vocab, draft_vocab_corpus)
+    return models
+
+
+def load_draft(source: str, plan: LoadPlan, device: str, target_tokenizer: Any, target: str,
+               adapter: str | None = None, vocab: int = DEFAULT_HEAD_SIZE, corpus: list[str] | None = None
+               ) -> tuple[torch.nn.Module, torch.Tensor | None]:
+    """A draft model ready to draft: its tokenizer checked against the target's, a LoRA adapter (`specdecode train
+    draft`) applied, its LM head cut to the `vocab` most frequent tokens (counted on `corpus`) -> (the model,
+    the vocabulary id of each logit of its head, None when it scores them all)."""
+    model, tokenizer = load_model(source, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
+    # The draft's own tokenizer comes with it: loading it separately first cost a second at every start.
+    check_same_tokenizer(target_tokenizer, tokenizer or load_tokenizer(source), target, source)
+    if adapter is not None:
+        from specdecode.drafters.lora import apply_adapter
+
+        apply_adapter(model, adapter, source)
+    return model, cut_draft_head(model, target_tokenizer, source, vocab, corpus)
+
+
+def check_same_tokenizer(target_tok, draft_tok, target: str, draft: str) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise SpecdecodeError(
+            f"draft '{draft}' and target '{target}' use different tokenizers: pick a draft of the same "
+            "family (same vocabulary), or use --method ngram"
+        )

@@ -4,21 +4,22 @@ Differences between the families are config flags (`qkv_bias`, `qk_norm`, tied e
 forked copies. Parameter names are Hugging Face's, so a HF state dict loads as is.
 
 Forward contract, shared with `hf_model.HFModel`:
-    forward(tokens [B, T], positions [B, T], cache, attn_mask [B, 1, T, S] bool, logits_from, decode)
-        -> (logits, hidden)
+    forward(tokens [B, T], positions [B, T], cache, attn_mask [B, 1, T, S] bool, logits_from, decode,
+            feature_layers) -> (logits, hidden)
 Keys and values of the T new tokens are written into cache slots [cache.length, cache.length + T); `positions`
 are their rotary positions (equal to the slots for a chain, the depth for tree nodes); attention reads slots
 [0, S) under `attn_mask` (True = may attend). The caller owns `cache.length` and advances it after the call.
 Explicit positions and masks are what let one forward verify a chain or a tree of draft tokens.
-`hidden` is the final hidden state [B, T, d]; with `feature_layers` set it is followed by the inputs of those layers
+`hidden` is the final hidden state [B, T, d]; given `feature_layers` it is followed by the inputs of those layers
 (what an EAGLE-style head drafts from), [B, T, d * (1 + len(feature_layers))]; the logits always use the first d.
+What a drafter needs is an argument of the call, never state set on the model.
 `decode=True` (the engine's decode and verify steps) computes every row exactly as a one-token forward of that
 token would: attention one row at a time, and, with the linear layers on the CPU kernel (quantize.py), a verify
 forward's logits equal one-token forwards bit for bit.
 
-`forward_parts(parts)` is the same forward over several sequences at once (continuous batching): each `Part` has its
-own tokens, positions, cache and mask; their rows are concatenated (ragged, no padding), so the weights are read
-once for everyone, and attention runs per part against that part's cache. In decode mode every row is still
+`forward_parts(parts, feature_layers)` is the same forward over several sequences at once (continuous batching):
+each `Part` has its own tokens, positions, cache and mask; their rows are concatenated (ragged, no padding), so the
+weights are read once for everyone, and attention runs per part against that part's cache. In decode mode every row is still
 computed as its own one-token forward would be: a request's output does not depend on what it was batched with.
 """
 
@@ -252,9 +253,6 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        # Layers whose inputs a drafter reads as features (EAGLE-style heads): `hidden` then carries them after the
-        # final hidden state, [.., d * (1 + len(feature_layers))]. Empty: hidden is [.., d].
-        self.feature_layers: tuple[int, ...] = ()
         self._native: tuple[tuple, list | None] = ((), None)  # (the linear modules it was built from, the layers)
 
     @property
@@ -281,17 +279,19 @@ class Transformer(nn.Module):
         attn_mask: torch.Tensor,  # [B or 1, 1, T, S] bool
         logits_from: int = 0,  # logits only for positions [logits_from, T): prefill needs the last one only
         decode: bool = False,  # compute every row exactly as a one-token forward would (decode and verify steps)
+        feature_layers: tuple[int, ...] = (),  # layers whose inputs follow the final hidden state in `hidden`
     ) -> tuple[torch.Tensor, torch.Tensor]:
         write_pos = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)  # [T]
         seg = Segment(0, tokens.shape[1], cache, write_pos, attn_mask, row_slots(attn_mask) if decode else None)
-        hidden = self._layers(tokens, positions, [seg])  # [B, T, d (+ features)]
+        hidden = self._layers(tokens, positions, [seg], feature_layers)  # [B, T, d (+ features)]
         logits = self.lm_head(hidden[:, logits_from:, : self.config.hidden_size]).float()  # [B, T - from, vocab]
         return logits, hidden
 
-    def forward_parts(self, parts: list[Part]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def forward_parts(self, parts: list[Part], feature_layers: tuple[int, ...] = ()
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One forward over several sequences' new tokens -> per part (logits [t - logits_from, vocab],
-        hidden [t, d]). Keys and values go into each part's own cache; the callers advance the lengths. Each part
-        attends in its own mode (`Part.decode`)."""
+        hidden [t, d (+ features)]). Keys and values go into each part's own cache; the callers advance the
+        lengths. Each part attends in its own mode (`Part.decode`)."""
         segments, begin = [], 0
         for part in parts:
             t, start = part.tokens.numel(), part.cache.length
@@ -301,7 +301,7 @@ class Transformer(nn.Module):
             begin += t
         tokens = torch.cat([p.tokens for p in parts])[None]  # [1, N]
         positions = torch.cat([p.positions for p in parts])[None]
-        hidden = self._layers(tokens, positions, segments)[0]  # [N, d]
+        hidden = self._layers(tokens, positions, segments, feature_layers)[0]  # [N, d (+ features)]
         wanted = [torch.arange(s.begin + p.logits_from, s.end, device=hidden.device) for s, p in zip(segments, parts)]
         final = hidden[torch.cat(wanted), : self.config.hidden_size]
         logits = self.lm_head(final[None])[0].float()  # [sum of wanted, vocab]
@@ -311,9 +311,10 @@ class Transformer(nn.Module):
             at += rows.numel()
         return out
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                feature_layers: tuple[int, ...]) -> torch.Tensor:
         """Embedding, every decoder layer and the final norm -> hidden states [B, T, d], then the inputs of
-        `feature_layers` where a drafter asked for them."""
+        `feature_layers` (what an EAGLE-style head drafts from), [B, T, d * (1 + len(feature_layers))]."""
         x = self.model.embed_tokens(tokens)  # [B, T, d]
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
@@ -327,13 +328,13 @@ class Transformer(nn.Module):
                 [s.cache.k for s in segments], [s.cache.v for s in segments])  # fmt: skip
             h, cos2, sin2 = x[0], cos[0, 0], sin[0, 0]  # [T, d], [T, hd]
             for i, layer in enumerate(native):
-                if i in self.feature_layers:
+                if i in feature_layers:
                     captured.append(h[None])
                 h = layer.forward(h, cos2, sin2, rows)
             x = self.model.norm(h[None])
             return torch.cat((x, *captured), dim=-1) if captured else x
         for i, block in enumerate(self.model.layers):
-            if i in self.feature_layers:
+            if i in feature_layers:
                 captured.append(x)
             x = x + block.self_attn(block.input_layernorm(x), cos, sin, i, segments)
             x = x + block.mlp(block.post_attention_layernorm(x))
@@ -384,21 +385,20 @@ class Transformer(nn.Module):
 
 
 def prompt_as_decode_rows(model: nn.Module) -> bool:
-    """Whether a prompt goes in as decode rows (`decode=True`), as the batch engine always feeds it. On the CPU:
-    the one-request engine, the batch engine and a draft model that reads its prompt then compute every position
-    alike (the server and the CLI give the same tokens), and on the native layers that is no slower than one
-    attention call over the prompt (faster: 200 vs 185 tokens/s for the 1.5B target over 1,000 tokens). On a GPU
-    one attention call it is."""
+    """Whether a prompt goes in as decode rows (`decode=True`), as the engine feeds it on the CPU: there every
+    position of the target and of a draft model that reads its prompt is computed alike (the server and the CLI
+    give the same tokens), and on the native layers that is no slower than one attention call over the prompt
+    (faster: 200 vs 185 tokens/s for the 1.5B target over 1,000 tokens). On a GPU one attention call it is."""
     return model.device.type == "cpu"
 
 
-def forward_parts(model: nn.Module, parts: list[Part]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`model.forward_parts` where the model has it; otherwise (transformers' models) one forward per part, which is
+def forward_each(model: nn.Module, parts: list[Part], feature_layers: tuple[int, ...] = ()
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`forward_parts` for a model without a ragged forward (transformers' models): one forward per part, which is
     correct but reads the weights once per part."""
-    if hasattr(model, "forward_parts"):
-        return model.forward_parts(parts)
     out = []
     for p in parts:
-        logits, hidden = model(p.tokens[None], p.positions[None], p.cache, p.attn_mask, p.logits_from, p.decode)
+        logits, hidden = model(p.tokens[None], p.positions[None], p.cache, p.attn_mask, p.logits_from, p.decode,
+                               feature_layers)
         out.append((logits[0], hidden[0]))
     return out

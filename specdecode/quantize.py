@@ -58,7 +58,8 @@ class QuantLinear(nn.Module):
         f = self.format = packed.format
         self.bias = bias
         bias32 = bias.detach().float().contiguous() if bias is not None else torch.empty(0)
-        out_features, self.in_features = packed.shape
+        self.out_features, self.in_features = packed.shape
+        out_features = self.out_features
         c16 = out_features % 16 == 0 and kernels.c16_available()
         if c16 and f.superblock == 256:
             self.tensors = tuple(kernels.repack_c16(*packed.tensors(), f.bits, f.group))

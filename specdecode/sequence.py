@@ -1,8 +1,8 @@
-"""One request's decoding state, advanced one target forward at a time by an engine: `engine.Engine` runs one
-request, `batch.BatchEngine` many at once, through the same steps:
+"""One request's decoding state, advanced one target forward at a time by the engine (engine.py):
 
-    prefill_part() -> target forward -> prefilled()        the prompt, whole or in chunks; the first token
-    propose() [keep_best()] -> verify_part() -> target forward -> verified()        each decode step
+    prefill_part() -> target forward -> prefilled()        the prompt, in chunks; the first token
+    draft_request() -> the drafter proposes -> proposed_draft() [keep_best()] -> verify_part() -> target forward
+        -> verified()        each decode step
 
 `verify_part` is [root, *draft] at explicit positions (a tree's nodes sit at their depth, under a mask that shows
 each node its ancestors only); `verified` runs the verifier, keeps the root and the accepted path in the cache (a
@@ -18,17 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.kv_cache import KVCache
 from specdecode.masks import chain_mask, tree_mask
 from specdecode.model import Part
+from specdecode.planner import MAX_AUTO_NODES, StepPlan
 from specdecode.sampling import make_generator, sample, to_probs
 from specdecode.stats import GenerationStats
 from specdecode.verify import verify_chain, verify_tree
-
-MAX_AUTO_NODES = 16  # the most draft tokens an automatic budget may verify (the measured cost curve's end)
 
 
 @dataclass(slots=True)
@@ -42,26 +40,24 @@ class Step:
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter, cache: KVCache,
                  max_len: int, eos_token_ids: tuple[int, ...], num_draft_tokens: int | None,
-                 costs: CostCurve | None, device: torch.device) -> None:
-        """`num_draft_tokens` None = automatic (the engine cuts each draft with the cost curve `costs`)."""
+                 device: torch.device) -> None:
+        """`num_draft_tokens` None = automatic (the planner cuts each draft)."""
         self.tokens = list(prompt_ids)
         self.params = params
         self.drafter = drafter
         self.cache = cache
         self.max_len = max_len
         self.num_draft_tokens = num_draft_tokens
-        self.costs = costs
         self.device = device
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.generator = None if params.greedy else make_generator(params.seed, device)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.stats.draft_budget = "auto" if self.auto else num_draft_tokens
-        self.stats.verify_costs = costs if self.auto else None
         self.fed = 0  # prompt tokens in the cache so far
         # Target hidden states for the drafter: of the last step's emitted tokens, or, for a drafter that reads
-        # every position's features (`reads_hidden`, an EAGLE head), of every position it has not seen yet.
+        # every position's features (an EAGLE head), of every position it has not seen yet.
         self.hidden: torch.Tensor | None = None
-        self.keep_hidden = bool(getattr(drafter, "reads_hidden", False))
+        self.keep_hidden = drafter.reads_every_position
         self.draft = Draft.empty(device)
         self._depths = torch.empty(0, dtype=torch.long)  # of this step's draft nodes, set by verify_part
         self.proposed = False  # whether the drafter was asked this step (and so has something to commit)
@@ -81,12 +77,12 @@ class Sequence:
     def prompt_left(self) -> int:
         return self.stats.prompt_tokens - self.fed
 
-    def prefill_part(self, max_rows: int | None = None) -> Part:
-        """The next prompt tokens to feed (all that are left, or at most `max_rows`)."""
-        n = self.prompt_left if max_rows is None else min(max_rows, self.prompt_left)
+    def prefill_part(self, max_rows: int, decode: bool) -> Part:
+        """The next prompt tokens to feed (at most `max_rows`); `decode`: as one-token forwards would."""
+        n = min(max_rows, self.prompt_left)
         ids = torch.tensor(self.tokens[self.fed : self.fed + n], device=self.device)
         positions = torch.arange(self.fed, self.fed + n, device=self.device)
-        return Part(ids, positions, self.cache, chain_mask(self.fed, n, self.device), logits_from=n - 1)
+        return Part(ids, positions, self.cache, chain_mask(self.fed, n, self.device), n - 1, decode)
 
     def prefilled(self, n: int, logits: torch.Tensor, hidden: torch.Tensor) -> Step | None:
         """`n` prompt tokens went in (logits [1, vocab] of the last, hidden [n, d]); -> the first token's Step once
@@ -108,21 +104,15 @@ class Sequence:
         stats.wall_s = stats.ttft_s
         return step
 
-    def propose(self, others_tokens: float = 0.0, others_rows: int = 0) -> Draft:
-        """Ask the drafter for this step's draft, cut to the room left in the cache and in the token budget.
-        In a batch, `others_*` are the tokens and rows the other requests put in the same forward."""
-        budget, ctx = self.draft_request(others_tokens, others_rows)
-        return self.proposed_draft(self.drafter.propose(ctx, budget) if self.proposed else Draft.empty(self.device))
-
-    def draft_request(self, others_tokens: float = 0.0, others_rows: int = 0) -> tuple[int, DraftContext]:
-        """Start a step: (how many nodes the drafter may propose, what it sees); `proposed` says whether to ask."""
+    def draft_request(self, plan: StepPlan) -> tuple[int, DraftContext]:
+        """Start a step: (how many nodes the drafter may propose, what it sees); `proposed` says whether to ask.
+        `plan`: what the planner lets this draft cost."""
         self.step_started = time.perf_counter()
         # A budget larger than the room left is cut, never an error: nodes need cache slots, and a path longer
         # than the tokens still to generate would be cut after verification.
         budget = min(MAX_AUTO_NODES if self.auto else self.num_draft_tokens, self.max_len - len(self.tokens) - 1)
         depth_room = self.params.max_new_tokens - self.stats.new_tokens - 1
-        ctx = DraftContext(self.tokens, self.params, self.generator, self.hidden, self.costs if self.auto else None,
-                           depth_room, others_tokens, others_rows)
+        ctx = DraftContext(self.tokens, self.params, self.generator, self.hidden, plan, depth_room)
         self.proposed = budget > 0 and depth_room > 0
         if self.proposed and self.keep_hidden:
             self.hidden = None  # the drafter takes these rows now
@@ -183,6 +173,14 @@ class Sequence:
                                depth=int(self._depths.max()) if len(draft) else 0)
         self.stats.wall_s = now - self.started
         return step
+
+    def stop(self, dropped: int) -> None:
+        """A stop string one layer up ended the request inside its last step: its last `dropped` tokens are not
+        output (and not counted)."""
+        if dropped:
+            del self.tokens[-dropped:]
+            self.stats.new_tokens -= dropped
+        self.finish_reason = "stop"
 
     def _hold(self, rows: torch.Tensor) -> None:
         self.hidden = rows if self.hidden is None else torch.cat((self.hidden, rows))

@@ -13,8 +13,8 @@ multiple of 16 with the next most frequent ids, so a head in blocks keeps the 16
 (quantize.QuantLinear takes it only when the row count is a multiple of 16).
 
 `restrict_lm_head` swaps the head for one over the subset's rows, in the same form as before (float Linear,
-KernelLinear or QuantLinear), and records the subset as `model.head_tokens`: logit j of the new head is the
-logit of vocabulary id `head_tokens[j]`.
+KernelLinear or QuantLinear), applied from outside the model like quantization; logit j of the new head is the
+logit of vocabulary id `token_ids[j]`, which the drafter is given (`DraftModelDrafter(head_tokens=...)`).
 """
 
 from __future__ import annotations
@@ -184,18 +184,21 @@ def stored_head(gguf: Path, cache: Path | None = None) -> PackedWeight | None:
     return PackedWeight(FORMATS[formats[name]], *fields)
 
 
-def restrict_lm_head(model: nn.Module, token_ids: torch.Tensor, stored: PackedWeight | None = None) -> None:
-    """Replace `model.lm_head` by one computing the logits of `token_ids` only ([..., n]) and set
-    `model.head_tokens` = token_ids, the vocabulary id of each new logit. In place; the embedding is untouched
-    (a tied head's rows are copied). A QuantLinear head that dropped its row layout needs `stored`
-    (`stored_head`)."""
-    if hasattr(model, "head_tokens"):
+def restrict_lm_head(model: nn.Module, token_ids: torch.Tensor, stored: PackedWeight | None = None) -> torch.Tensor:
+    """Replace `model.lm_head` by one computing the logits of `token_ids` only ([..., n]) -> `token_ids`, the
+    vocabulary id of each new logit. In place; the embedding is untouched (a tied head's rows are copied). A
+    QuantLinear head that dropped its row layout needs `stored` (`stored_head`)."""
+    if _head_rows(model.lm_head) != model.config.vocab_size:
         raise SpecdecodeError("the LM head is already restricted to a subset; restrict the full head once")
     ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()  # [n]
     if ids.unique().numel() != ids.numel():
         raise ValueError("token_ids must be unique")
     model.lm_head = _sliced(model.lm_head, ids, stored)
-    model.register_buffer("head_tokens", ids.to(model.device), persistent=False)
+    return ids.to(model.device)
+
+
+def _head_rows(head: nn.Module) -> int:
+    return head.out_features if isinstance(head, QuantLinear) else head.weight.shape[0]
 
 
 def _sliced(head: nn.Module, ids: torch.Tensor, stored: PackedWeight | None) -> nn.Module:
@@ -236,16 +239,17 @@ DEFAULT_HEAD_SIZE = 32768  # FR-Spec's speed peak; a multiple of 16
 
 
 def cut_draft_head(model: nn.Module, tokenizer: Any, source: str, size: int = DEFAULT_HEAD_SIZE,
-                   corpus: list[str] | None = None) -> bool:
+                   corpus: list[str] | None = None) -> torch.Tensor | None:
     """Restrict a loaded draft model's LM head to the `size` most frequent tokens of its tokenizer, counted on
     `corpus` (jsonl files; counts cached beside the converted weights) or, without one, on the instruction data
-    shipped for this vocabulary. -> whether the head was cut: not when `size` is 0 or covers the vocabulary, nor
-    when no frequency list matches the tokenizer (ranking by id alone loses more acceptance than it saves)."""
+    shipped for this vocabulary. -> the vocabulary id of each logit of the cut head, or None where it stays whole:
+    when `size` is 0 or covers the vocabulary, or when no frequency list matches the tokenizer (ranking by id alone
+    loses more acceptance than it saves)."""
     from specdecode.model import Transformer
 
     vocab = model.config.vocab_size
     if size <= 0 or size >= vocab or not isinstance(model, Transformer):  # transformers' models keep their head
-        return False
+        return None
     if corpus:
         stamp = ",".join(f"{Path(p).name}:{Path(p).stat().st_size}:{int(Path(p).stat().st_mtime)}" for p in corpus)
         key = hashlib.sha256(stamp.encode()).hexdigest()[:12]
@@ -255,7 +259,7 @@ def cut_draft_head(model: nn.Module, tokenizer: Any, source: str, size: int = DE
     else:
         ranking = packaged_ranking(tokenizer)
         if ranking is None:
-            return False
+            return None
     ranking = ranking[ranking < vocab]
     rest = torch.ones(vocab, dtype=torch.bool)
     rest[ranking] = False
@@ -266,6 +270,5 @@ def cut_draft_head(model: nn.Module, tokenizer: Any, source: str, size: int = DE
     stored = None
     if isinstance(head, QuantLinear) and head.packed is None:
         stored = stored_head(Path(resolve_source(source)))
-    restrict_lm_head(model, ids, stored)
-    return True
+    return restrict_lm_head(model, ids, stored)
 

@@ -2,13 +2,10 @@
 sampling reproducible), the output distribution is the target's with several requests in flight, drafts shrink
 under load, and the KV budget holds."""
 
-import itertools
-
 import pytest
 import torch
 
-import specdecode.batch as batch_module
-from specdecode.batch import BatchEngine
+import specdecode.engine as engine_module
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
@@ -18,7 +15,7 @@ from specdecode.kernels import cpu_kernels
 from specdecode.masks import chain_mask
 from specdecode.quantize import quantize_
 from tiny import tiny_native
-from toy import BigramModel, exact_sequence_probs, l1_bound, random_chain
+from toy import BigramModel, Cycling, exact_sequence_probs, l1_bound, random_chain
 
 WIDE = dict(hidden_size=256, intermediate_size=512)
 CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))
@@ -37,13 +34,12 @@ def draft():
     return quantize_(tiny_native("qwen2", seed=1, **WIDE), "q8_0")
 
 
-def cycle(*makers):
-    """A drafter factory that hands out each kind in turn: requests in one batch draft differently."""
-    it = itertools.cycle(makers)
-    return lambda: next(it)()
+def cycle(*makers) -> Cycling:
+    """A prototype drafter whose forks are each kind in turn: requests in one batch draft differently."""
+    return Cycling(*makers)
 
 
-def run_batch(engine: BatchEngine, requests, arrivals=None) -> list[list[int]]:
+def run_batch(engine: Engine, requests, arrivals=None) -> list[list[int]]:
     """Run requests (prompt, params) to the end; request i joins before step arrivals[i]. -> tokens of each."""
     arrivals = arrivals or [0] * len(requests)
     out: dict[int, list[int]] = {}
@@ -75,7 +71,7 @@ def test_greedy_output_is_the_same_batched_or_alone(target, draft, monkeypatch, 
     """Four requests with different prompt lengths (one prefilled in chunks while others decode), drafters,
     draft sizes and sampling settings, arriving at different steps: each greedy one equals itself run alone,
     and equals the one-request engine."""
-    monkeypatch.setattr(batch_module, "PREFILL_ROWS_BUSY", 8)
+    monkeypatch.setattr(engine_module, "PREFILL_ROWS_BUSY", 8)
     costs = CPU_LIKE if auto else None
     k = None if auto else 3
     make = cycle(lambda: DraftModelDrafter(draft, vocab_size=64, width=2), NgramDrafter, NoDrafter,
@@ -83,9 +79,9 @@ def test_greedy_output_is_the_same_batched_or_alone(target, draft, monkeypatch, 
     greedy = [SamplingParams(max_new_tokens=n) for n in (30, 25, 18, 33)]
     mixed = list(zip(PROMPTS, greedy))
     mixed[2] = (PROMPTS[2], SamplingParams(max_new_tokens=20, temperature=0.9, seed=5))  # sampled, in the batch
-    together = run_batch(BatchEngine(target, make, k, costs=costs), mixed, arrivals=[0, 1, 1, 4])
+    together = run_batch(Engine(target, make, k, costs=costs), mixed, arrivals=[0, 1, 1, 4])
     for i, (prompt, params) in enumerate(mixed):
-        alone = run_batch(BatchEngine(target, make, k, costs=costs), [(prompt, params)])[0]
+        alone = run_batch(Engine(target, make, k, costs=costs), [(prompt, params)])[0]
         assert together[i] == alone, i
         if params.greedy:
             plain = [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
@@ -96,17 +92,17 @@ def test_greedy_output_is_the_same_batched_or_alone(target, draft, monkeypatch, 
 def test_hybrid_drafters_in_a_batch_give_the_plain_output(target, draft):
     """Requests whose drafters switch between copying and the draft model (whose forwards are batched only in
     the steps they draft with it) still give plain decoding's tokens."""
-    make = lambda: HybridDrafter(DraftModelDrafter(draft, vocab_size=64))  # noqa: E731
+    make = cycle(lambda: HybridDrafter(DraftModelDrafter(draft, vocab_size=64)))
     requests = [(prompt, SamplingParams(max_new_tokens=24)) for prompt in PROMPTS]
-    together = run_batch(BatchEngine(target, make, None, costs=CPU_LIKE), requests, arrivals=[0, 1, 1, 3])
+    together = run_batch(Engine(target, make, None, costs=CPU_LIKE), requests, arrivals=[0, 1, 1, 3])
     for (prompt, params), out in zip(requests, together):
         assert out == [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
 
 
 @needs_kernels
 def test_prefill_in_chunks_leaves_the_same_cache(target, monkeypatch):
-    monkeypatch.setattr(batch_module, "PREFILL_ROWS_IDLE", 7)
-    engine = BatchEngine(target, NoDrafter, 0)
+    monkeypatch.setattr(engine_module, "PREFILL_ROWS_IDLE", 7)
+    engine = Engine(target, NoDrafter(), 0)
     seq = engine.add(PROMPTS[1], SamplingParams(max_new_tokens=2))
     while seq.prefilling:
         engine.step()
@@ -122,11 +118,10 @@ def test_sampled_outputs_with_a_seed_do_not_depend_on_the_batch(target, draft, d
     fixed size for seeded sampled requests.)"""
     params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=11)
     requests = [(PROMPTS[0], params), (PROMPTS[3], params), (PROMPTS[1], SamplingParams(max_new_tokens=9))]
-    make = (lambda: NgramDrafter(branches=3)) if drafter == "ngram-tree" else \
-        (lambda: DraftModelDrafter(draft, vocab_size=64, width=2))
-    first = run_batch(BatchEngine(target, make, 3), requests)
-    again = run_batch(BatchEngine(target, make, 3), requests, arrivals=[0, 2, 1])
-    alone = run_batch(BatchEngine(target, make, 3), requests[1:2])
+    make = NgramDrafter(branches=3) if drafter == "ngram-tree" else DraftModelDrafter(draft, vocab_size=64, width=2)
+    first = run_batch(Engine(target, make, 3), requests)
+    again = run_batch(Engine(target, make, 3), requests, arrivals=[0, 2, 1])
+    alone = run_batch(Engine(target, make, 3), requests[1:2])
     assert first == again and first[1] == alone[0]
 
 
@@ -142,7 +137,7 @@ def test_output_distribution_is_the_targets_with_requests_in_flight(auto):
     draft = BigramModel(draft_chain)
     make = cycle(lambda: DraftModelDrafter(draft, vocab_size=vocab, width=2), lambda: NgramDrafter(max_ngram=2),
                  lambda: DraftModelDrafter(draft, vocab_size=vocab))
-    engine = BatchEngine(target, make, None if auto else 3, costs=CostCurve((1.0, 1.5, 2.0)) if auto else None)
+    engine = Engine(target, make, None if auto else 3, costs=CostCurve((1.0, 1.5, 2.0)) if auto else None)
     counts: dict[tuple, int] = {}
     for i in range(trials):
         requests = [([0], SamplingParams(**{**params.__dict__, "seed": 4 * i + j})) for j in range(4)]
@@ -159,20 +154,21 @@ def test_drafting_turns_off_when_the_batch_is_large(target, draft):
     """A draft model whose forward costs as much as a target forward: worth it for one request on a cost
     curve that makes extra rows cheap, not for sixteen requests on a CPU-like slope."""
     flat = CostCurve(tuple(1.0 + 0.001 * m for m in range(16)))
-    engine = BatchEngine(target, lambda: DraftModelDrafter(draft, vocab_size=64), None, costs=flat)
+    engine = Engine(target, DraftModelDrafter(draft, vocab_size=64), None, costs=flat)
     seqs = [engine.add(PROMPTS[0], SamplingParams(max_new_tokens=50)) for _ in range(16)]
-    engine.costs = CPU_LIKE
+    planner = engine.planner
+    planner.costs = CPU_LIKE
     for seq in seqs:
         seq.fed = seq.stats.prompt_tokens  # pretend prefilled: only the gate is under test
-        engine.outlook[seq].draft_s = 0.5  # half a one-token target forward per draft
-    assert engine._gate(seqs, 16, 0) == []
-    assert engine._gate(seqs[:1], 1, 0) == seqs[:1]
-    engine.outlook[seqs[0]].draft_s = 0.0  # an n-gram drafter costs nothing: always proposes
-    assert seqs[0] in engine._gate(seqs, 16, 0)
+        planner.outlook[seq].draft_s = 0.5  # half a one-token target forward per draft
+    assert planner._gate(seqs, 16, 0) == []
+    assert planner._gate(seqs[:1], 1, 0) == seqs[:1]
+    planner.outlook[seqs[0]].draft_s = 0.0  # an n-gram drafter costs nothing: always proposes
+    assert seqs[0] in planner._gate(seqs, 16, 0)
 
 
 def test_kv_budget_bounds_admission_and_refuses_what_never_fits(target):
-    engine = BatchEngine(target, NoDrafter, 0, max_len=256, max_running=4, kv_budget_tokens=200)
+    engine = Engine(target, NoDrafter(), 0, max_len=256, max_running=4, kv_budget_tokens=200)
     params = SamplingParams(max_new_tokens=50)
     with pytest.raises(SpecdecodeError, match="KV budget is 200"):
         engine.check(list(range(1, 60)), SamplingParams(max_new_tokens=150))
@@ -194,9 +190,9 @@ def test_draft_model_forwards_are_batched_across_requests_and_draft_the_same(tar
         return batched(parts)
 
     monkeypatch.setattr(draft, "forward_parts", counting)
-    make = lambda: DraftModelDrafter(draft, vocab_size=64, width=2)
+    make = DraftModelDrafter(draft, vocab_size=64, width=2)
     requests = [(prompt, SamplingParams(max_new_tokens=20)) for prompt in PROMPTS]
-    engine = BatchEngine(target, make, 3)
+    engine = Engine(target, make, 3)
     together, stats = [], []
     index = {engine.add(p, params): i for i, (p, params) in enumerate(requests)}
     out: dict[int, list[int]] = {}
@@ -207,7 +203,7 @@ def test_draft_model_forwards_are_batched_across_requests_and_draft_the_same(tar
                 stats.append((index[seq], seq.stats.drafted_tokens, seq.stats.accepted_tokens))
     assert max(calls) == 4  # one draft forward served all four requests
     for i, drafted, accepted in stats:
-        alone = BatchEngine(target, make, 3)
+        alone = Engine(target, make, 3)
         seq = alone.add(*requests[i])
         while alone.running:
             alone.step()

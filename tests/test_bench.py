@@ -20,7 +20,7 @@ from specdecode.bench.metrics import find_mismatches, first_difference
 from specdecode.bench.report import build_report, markdown
 from specdecode.bench.runners import TurnResult
 from specdecode.cli import main
-from specdecode.drafters import TRAINED
+from specdecode.methods import METHODS
 from specdecode.errors import SpecdecodeError
 
 CHAT_TEMPLATE = (
@@ -72,7 +72,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # Every method but llama.cpp's, which run GGUF files only (tested on a real one in test_e2e_stored.py), and the
 # trained drafters, which need a trained folder (test_trained.py).
 METHODS = [m for m in all_methods() if not m.startswith(("llamacpp", "draft-lora"))
-           and drafter_and_shape(m)[0] not in TRAINED]
+           and METHODS.get(drafter_and_shape(m)[0], METHODS["none"]).head is None]
 
 
 def _args(root: Path, *extra: str) -> list[str]:

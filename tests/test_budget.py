@@ -1,4 +1,4 @@
-"""The draft size chooser: the cost curve (measured, cached, extrapolated) and the count that pays best."""
+"""The verify cost curve: measured, cached, extrapolated, lowered by what the engine sees."""
 
 import pytest
 
@@ -21,25 +21,6 @@ def test_observed_times_only_lower_the_curve_and_keep_it_monotone():
     assert faster.seconds == pytest.approx((2.8, 2.8, 2.8, 3.2))
     assert faster.observe(1, 2.0).seconds == pytest.approx((2.0, 2.0, 2.0, 2.0 / 2.8 * 3.2))
     assert curve.observe(30, 0.1) is curve  # beyond the measured sizes: extrapolated, not observed
-
-
-def test_fast_one_token_forwards_do_not_talk_the_chooser_out_of_drafting():
-    curve = CostCurve((1.0, 1.2, 1.4, 1.6))
-    scores = [0.5, 0.3]
-    assert curve.best_count(scores) == 2
-    for seconds in (0.9, 0.8, 0.7, 0.6):  # ever faster undrafted steps, as a machine's quiet spells give
-        curve = curve.observe(1, seconds)
-    assert curve.ratios() == pytest.approx([1.0, 1.2, 1.4, 1.6])  # the measured shape is kept
-    assert curve.best_count(scores) == 2
-
-
-def test_best_count_trades_expected_tokens_against_cost():
-    flat = CostCurve(tuple([1.0] * 16))  # a GPU-like curve: every node is free, keep them all
-    assert flat.best_count([0.9, 0.5, 0.1, 0.01]) == 4
-    steep = CostCurve(tuple(1.0 + 0.5 * m for m in range(16)))  # each node costs half a forward
-    assert steep.best_count([0.9, 0.8, 0.3]) == 2  # (1 + 1.7) / 2.0 beats (1 + 2.0) / 2.5
-    assert steep.best_count([0.9, 0.8, 0.3], draft_seconds=10.0) == 3  # drafting dominates: verify them all
-    assert steep.best_count([]) == 0
 
 
 def test_measure_is_monotone_and_cached(tmp_path, monkeypatch):

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from specdecode import hub
-from specdecode.api import SpecDecoder, build_drafter
+from specdecode.api import SpecDecoder
 from specdecode.config import SamplingParams
 from specdecode.kernels import cpu_kernels
-from specdecode.loading import load_model, plan_load
+from specdecode.loading import Models, load_model, plan_load
 from specdecode.masks import chain_mask
+from specdecode.methods import build_drafter
 from specdecode.quantize import QuantEmbedding, QuantLinear
 
 SMOL = "smollm2-135m-instruct"
@@ -52,7 +53,7 @@ def test_greedy_speculation_is_token_identical_on_the_stored_path(stored):
     params = SamplingParams(max_new_tokens=48)
     outputs = {}
     for method, shape, k in (("none", "chain", 0), ("ngram", "tree", 4), ("draft", "chain", 5), ("draft", "tree", 5)):
-        drafter = build_drafter(method, model, model if method == "draft" else None, shape=shape)
+        drafter = build_drafter(method, Models(model, tokenizer, model if method == "draft" else None), shape)
         decoder = SpecDecoder(model, tokenizer, drafter, method, k)
         outputs[method, shape] = decoder.generate(PROMPT, params).token_ids
         if method == "draft" and shape == "chain":  # the draft is the target, computed the same way: always right
@@ -68,7 +69,8 @@ def test_llamacpp_reads_the_same_file_and_mostly_agrees(stored):
     model, tokenizer = stored
     ids = prompt_ids(tokenizer)
     params = SamplingParams(max_new_tokens=24)
-    ours = SpecDecoder(model, tokenizer, build_drafter("none", model), "none", 0).generate(ids, params).token_ids
+    ours = SpecDecoder(model, tokenizer, build_drafter("none", Models(model, tokenizer)), "none", 0
+                       ).generate(ids, params).token_ids
     theirs = LlamaCppRunner(hub.pull(SMOL), list(model.config.eos_token_ids), 512, threads=1).run(ids, params)
     same = next((i for i, (a, b) in enumerate(zip(ours, theirs.token_ids)) if a != b), len(ours))
     assert same >= 8, (ours, theirs.token_ids)  # different rounding: near-identical, not identical

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
+from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import Engine
 from specdecode.masks import chain_mask
+from specdecode.planner import Planner, best_count
 from tiny import tiny_native
-from specdecode.budget import CostCurve
 from toy import BigramModel, ScriptedDrafter, ScriptedTreeDrafter, exact_sequence_probs, l1_bound, random_chain
 
 CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))  # C(8) = 1.56 C(1), as measured on a 2-core CPU
@@ -18,6 +19,13 @@ PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
 
 def run(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
     return [t for step in engine.generate(prompt, params) for t in step.tokens]
+
+
+@pytest.fixture(autouse=True)
+def costs_as_given(monkeypatch):
+    """Toy forwards take microseconds: the curve each test gives is the cost model under test, not lowered to
+    them (the engine lowers it to the fastest forwards it sees)."""
+    monkeypatch.setattr(Planner, "observe", lambda self, rows, seconds: None)
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +38,20 @@ def reference(target):
     return run(Engine(target, NoDrafter()), PROMPT, SamplingParams(max_new_tokens=40))
 
 
-def subset_head_draft(seed: int):
+def subset_head_drafter(seed: int, width: int) -> DraftModelDrafter:
     """A draft whose LM head scores only half the vocabulary (vocab_subset.restrict_lm_head)."""
     from specdecode.vocab_subset import restrict_lm_head
 
     model = tiny_native("qwen2", seed=seed)
-    restrict_lm_head(model, torch.arange(0, 64, 2))
-    return model
+    return DraftModelDrafter(model, vocab_size=64, width=width,
+                             head_tokens=restrict_lm_head(model, torch.arange(0, 64, 2)))
 
 
 def drafters(target):
     true = lambda: run(Engine(target, NoDrafter()), PROMPT, SamplingParams(max_new_tokens=60))
     full = PROMPT + true()
     return {
-        "draft-model-subset-head": DraftModelDrafter(subset_head_draft(1), vocab_size=64, width=2),
+        "draft-model-subset-head": subset_head_drafter(1, width=2),
         "ngram": NgramDrafter(),
         "ngram-tree": NgramDrafter(branches=4),
         "draft-model-tree": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, width=3),
@@ -66,7 +74,7 @@ def test_greedy_is_token_identical_for_every_drafter(target, reference, k):
     for name, drafter in drafters(target).items():
         engine = Engine(target, drafter, num_draft_tokens=k)
         assert run(engine, PROMPT, SamplingParams(max_new_tokens=40)) == reference, name
-        stats = engine.stats
+        stats = engine.last.stats
         if name in ("always-right", "self-draft") and k:
             assert stats.acceptance_rate == 1.0, name
         if name in ("self-draft-tree", "scripted-tree") and k > 1:
@@ -79,7 +87,7 @@ def test_greedy_is_token_identical_with_an_automatic_budget(target, reference):
     for name, drafter in drafters(target).items():
         engine = Engine(target, drafter, num_draft_tokens=None, costs=CPU_LIKE)
         assert run(engine, PROMPT, SamplingParams(max_new_tokens=40)) == reference, name
-        assert engine.stats.draft_budget == "auto" and engine.stats.verify_costs is CPU_LIKE
+        assert engine.last.stats.draft_budget == "auto" and engine.last.stats.verify_costs is CPU_LIKE
 
 
 def test_budget_keeps_the_best_ancestor_closed_nodes():
@@ -88,8 +96,8 @@ def test_budget_keeps_the_best_ancestor_closed_nodes():
     draft = Draft(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 0, 0, 2]), None, [0.9, 0.05, 0.6, 0.2, 0.5])
     best = draft.best(3)
     assert best.tokens.tolist() == [5, 7, 9] and best.parents.tolist() == [-1, 0, 1] and best.scores == [0.9, 0.6, 0.5]
-    assert CPU_LIKE.best_count([0.9, 0.6, 0.5, 0.01]) == 3  # the last node costs more than it is expected to bring
-    assert CostCurve((1.0, 3.0)).best_count([0.9]) == 0  # verifying a second token triples the cost: draft nothing
+    assert best_count(CPU_LIKE, [0.9, 0.6, 0.5, 0.01]) == 3  # the last node costs more than it is expected to bring
+    assert best_count(CostCurve((1.0, 3.0)), [0.9]) == 0  # verifying a second token triples the cost: draft nothing
     with pytest.raises(AssertionError, match="parent"):
         Draft(torch.tensor([1, 2]), torch.tensor([1, -1])).check()
 
@@ -108,7 +116,7 @@ def test_stops_inside_a_draft(target, reference):
         engine = Engine(target, drafters(target)["always-right"], num_draft_tokens=5)
         steps = list(engine.generate(PROMPT, SamplingParams(max_new_tokens=n)))
         assert [t for s in steps for t in s.tokens] == reference[:n]
-        assert steps[-1].finish_reason == "length" and engine.stats.new_tokens == n
+        assert steps[-1].finish_reason == "length" and engine.last.stats.new_tokens == n
 
 
 def test_context_limit_stops_cleanly(target, reference):
@@ -124,7 +132,7 @@ def test_cache_matches_a_fresh_prefill_after_every_step(target, width):
                     num_draft_tokens=6)
     params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=0)
     for _ in engine.generate(PROMPT, params):
-        cache, tokens = engine.cache, engine.tokens
+        cache, tokens = engine.last.cache, engine.last.tokens
         assert cache.length == len(tokens) - 1
         fresh = target.new_cache(1, 64)
         ids = torch.tensor([tokens[:-1]])
@@ -132,7 +140,7 @@ def test_cache_matches_a_fresh_prefill_after_every_step(target, width):
         n = cache.length
         assert torch.allclose(cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-5)
         assert torch.allclose(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-5)
-        drafter_cache = engine.drafter.cache  # holds a prefix of the tokens (None before the first draft)
+        drafter_cache = engine.last.drafter.cache  # holds a prefix of the tokens (None before the first draft)
         assert drafter_cache is None or drafter_cache.length <= len(tokens)
 
 
@@ -176,8 +184,7 @@ def test_whole_loop_output_distribution_is_the_targets(params, shape):
         drafter = NgramDrafter(max_ngram=2, branches=3)
     elif shape == "subset-head-tree":  # the draft can only propose tokens 0 and 2: q is the renormalised subset
         draft = BigramModel(draft_chain[:, [0, 2]] / draft_chain[:, [0, 2]].sum(-1, keepdim=True))
-        draft.head_tokens = torch.tensor([0, 2])
-        drafter = DraftModelDrafter(draft, vocab_size=vocab, width=2)
+        drafter = DraftModelDrafter(draft, vocab_size=vocab, width=2, head_tokens=torch.tensor([0, 2]))
     else:
         drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=1 if "chain" in shape else 2)
     # "-auto": the size is chosen per step from a steep cost curve, so drafts get cut: what is cut must never
@@ -207,7 +214,7 @@ def test_sampled_drafts_cut_per_step_keep_the_targets_marginal(width):
     zeros = drafted = 0
     for seed in range(trials):
         zeros += run(engine, [0], SamplingParams(temperature=1.0, max_new_tokens=3, seed=seed))[1] == 0
-        drafted += engine.stats.drafted_tokens
+        drafted += engine.last.stats.drafted_tokens
     assert drafted >= trials  # the chooser did verify drafts
     assert abs(zeros / trials - 0.5) < l1_bound(2, trials) / 2
 
@@ -223,11 +230,16 @@ def test_hybrid_output_distribution_is_the_targets_whichever_drafter_proposes(au
     exact = exact_sequence_probs(target_chain, start=prompt[-1], length=length, eos=eos)
     drafter = HybridDrafter(DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab))
     used = {"copy": 0, "model": 0}
-    for kind, part in (("copy", drafter.ngram), ("model", drafter.draft)):
-        def counted(accepted, verified=None, commit=part.commit, kind=kind):
-            used[kind] += 1
-            commit(accepted, verified)
-        part.commit = counted
+
+    def counted_fork(fork=drafter.fork):  # each request's drafter counts which of its two drafters committed
+        forked = fork()
+        for kind, part in (("copy", forked.ngram), ("model", forked.draft)):
+            def counted(accepted, verified=None, commit=part.commit, kind=kind):
+                used[kind] += 1
+                commit(accepted, verified)
+            part.commit = counted
+        return forked
+    drafter.fork = counted_fork
     engine = Engine(BigramModel(target_chain, eos=(eos,)), drafter, num_draft_tokens=None if auto else 3,
                     costs=CostCurve((1.0, 1.1, 1.2, 1.3)) if auto else None)
     counts: dict[tuple, int] = {}

@@ -93,4 +93,4 @@ def test_sampling_self_draft_on_blocks_is_always_accepted(mode):
     engine = Engine(target, DraftModelDrafter(target, vocab_size=64), num_draft_tokens=4)
     params = SamplingParams(max_new_tokens=32, temperature=0.8, seed=3)
     tokens = [t for s in engine.generate([1, 2, 3, 4], params) for t in s.tokens]
-    assert len(tokens) == 32 and engine.stats.drafted_tokens > 0 and engine.stats.acceptance_rate == 1.0
+    assert len(tokens) == 32 and engine.last.stats.drafted_tokens > 0 and engine.last.stats.acceptance_rate == 1.0

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdecode.api import SpecDecoder
 from specdecode.server.app import create_app
-from specdecode.server.background import BackgroundServer
+from server_thread import BackgroundServer
 from specdecode.server.settings import ServerSettings
 
 SMOL = "smollm2-135m-instruct"

@@ -8,7 +8,7 @@ import pytest
 
 from specdecode.api import SpecDecoder
 from specdecode.server.app import create_app
-from specdecode.server.background import BackgroundServer
+from server_thread import BackgroundServer
 from specdecode.server.settings import ServerSettings
 
 schemathesis = pytest.importorskip("schemathesis", reason="the fuzz test needs schemathesis (pip install -e .[dev])")

@@ -13,7 +13,7 @@ import pytest
 
 from specdecode.api import SpecDecoder
 from specdecode.server.app import create_app
-from specdecode.server.background import BackgroundServer
+from server_thread import BackgroundServer
 from specdecode.server.settings import ServerSettings
 
 SMOL = "smollm2-135m-instruct"

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from specdecode.batch import StepInfo
+from specdecode.engine import StepInfo
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.sequence import Step
 from specdecode.server.app import create_app
-from specdecode.server.background import BackgroundServer
+from server_thread import BackgroundServer
 from specdecode.server.metrics import Metrics
 from specdecode.server.scheduler import ClientLimit, Chunk, Failure, QueueFull, Scheduler
 from specdecode.server.settings import ServerSettings
@@ -40,7 +39,9 @@ class ScriptedSeq:
 
 
 class ScriptedEngine:
-    """BatchEngine's surface as the scheduler uses it; every step takes a permit, so tests control timing."""
+    """The Engine's surface as the scheduler uses it; every step takes a permit, so tests control timing."""
+
+    num_draft_tokens, max_len, target = 4, 64, None
 
     def __init__(self, steps: int, max_running: int) -> None:
         self.steps, self.max_running = steps, max_running
@@ -49,7 +50,10 @@ class ScriptedEngine:
         self.started: list[tuple[list[int], int | None]] = []  # (prompt, draft length) per request admitted
         self.batches: list[list[int]] = []  # the first prompt id of each request in each step
         self.permits = threading.Semaphore(0)
-        self.last = StepInfo()
+        self.last_step = StepInfo()
+
+    def set_limits(self, max_running: int, kv_budget_tokens: int | None = None) -> None:
+        pass  # the test's own max_running stands
 
     def check(self, prompt, params, k=None) -> None:
         if len(prompt) > 20:
@@ -69,6 +73,9 @@ class ScriptedEngine:
         if seq in self.running:
             self.running.remove(seq)
 
+    def stop(self, seq, dropped: int) -> None:
+        self.remove(seq)
+
     def step(self):
         assert self.permits.acquire(timeout=10)
         self.batches.append([s.prompt[0] for s in self.running])
@@ -84,7 +91,7 @@ class ScriptedEngine:
             out.append((seq, Step([seq.steps_left], 2, 1, "length" if done else None)))
             if done:
                 self.remove(seq)
-        self.last = StepInfo(len(out), len(out), 0, [2] * len(out))
+        self.last_step = StepInfo(len(out), len(out), 0, [2] * len(out))
         return out
 
 
@@ -92,12 +99,8 @@ class ScriptedDecoder:
     method = "ngram"
 
     def __init__(self, steps: int = 3, max_running: int = 16) -> None:
-        self.engine = SimpleNamespace(num_draft_tokens=4, max_len=64, target=None)
         self.tokenizer = Tokenizer()
-        self.batch = ScriptedEngine(steps, max_running)
-
-    def batch_engine(self, max_running: int, kv_budget_tokens: int | None):
-        return self.batch
+        self.engine = self.batch = ScriptedEngine(steps, max_running)
 
     def allow(self, steps: int = 10_000) -> None:
         self.batch.permits.release(steps)

@@ -19,7 +19,7 @@ from toy import l1_bound
 from specdecode.api import SpecDecoder
 from specdecode.cli import main
 from specdecode.config import SamplingParams
-from specdecode.drafters import HEAD_KIND
+from specdecode.methods import METHODS
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.drafters.medusa import MedusaDrafter, static_tree
@@ -92,7 +92,7 @@ def _generate(decoder: SpecDecoder, prompt: str, params: SamplingParams) -> list
 def test_greedy_with_trained_drafters_is_token_identical(trained: Path, method: str, shape: str) -> None:
     target = str(trained / "target")
     plain = SpecDecoder.load(target, method="none", dtype="float32")
-    kwargs = {"draft": str(trained / HEAD_KIND.get(method, method))} if method != "draft" else {
+    kwargs = {"draft": str(trained / METHODS[method].head)} if method != "draft" else {
         "draft": str(trained / "draft"), "draft_adapter": str(trained / "lora")}
     decoder = SpecDecoder.load(target, method=method, dtype="float32", draft_shape=shape,
                                num_draft_tokens=4,  # fixed: an automatic budget may find tiny drafts not worth it
@@ -184,7 +184,7 @@ def test_an_interrupted_feature_cache_resumes_where_it_stopped(trained: Path, tm
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     computed: list[Example] = []
     real = feature_cache._example_rows
-    monkeypatch.setattr(feature_cache, "_example_rows", lambda t, e: computed.append(e) or real(t, e))
+    monkeypatch.setattr(feature_cache, "_example_rows", lambda t, e, layers: computed.append(e) or real(t, e, layers))
     resumed = feature_cache.build(target, examples[2:], examples[:2], tmp_path, settings)
     assert computed == examples[5:]
     assert torch.equal(resumed.tokens, full.tokens) and torch.equal(resumed.hidden, full.hidden)
@@ -274,12 +274,11 @@ def test_sampling_with_trained_drafters_keeps_the_targets_distribution(tiny_head
         out = tuple(t for step in engine.generate(prompt, SamplingParams(**{**SAMPLED.__dict__, "seed": i}))
                     for t in step.tokens)
         counts[out] = counts.get(out, 0) + 1
-        accepted += engine.stats.accepted_tokens
+        accepted += engine.last.stats.accepted_tokens
     assert accepted > trials // 10  # the drafts were really verified, and often accepted
     assert set(counts) <= set(exact)
     l1 = sum(abs(counts.get(seq, 0) / trials - p) for seq, p in exact.items())
     assert l1 < l1_bound(len(exact), trials), l1
-    target.feature_layers = ()
 
 
 @pytest.mark.parametrize("width", [1, 3])
@@ -291,8 +290,7 @@ def test_eagle_greedy_on_a_quickly_trained_head_matches_plain(tiny_heads, width:
     drafter = EagleDrafter(head, target, (0, 1), width=width)
     engine = Engine(target, drafter, num_draft_tokens=5)
     assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
-    assert engine.stats.accepted_tokens > 0
-    target.feature_layers = ()
+    assert engine.last.stats.accepted_tokens > 0
 
 
 def test_hybrid_eagle_copies_and_drafts_with_the_head_and_matches_plain(tiny_heads) -> None:
@@ -303,13 +301,17 @@ def test_hybrid_eagle_copies_and_drafts_with_the_head_and_matches_plain(tiny_hea
     plain = [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
     drafter = HybridDrafter(EagleDrafter(head, target, (0, 1), width=2))
     used = []
-    commit = drafter.commit
-    drafter.commit = lambda *a: (used.append(type(drafter.used).__name__), commit(*a))  # type: ignore[method-assign]
+
+    def counted_fork(fork=drafter.fork):  # the request's drafter says which of its two drafters committed
+        forked = fork()
+        commit = forked.commit
+        forked.commit = lambda *a: (used.append(type(forked.used).__name__), commit(*a))  # type: ignore[method-assign]
+        return forked
+    drafter.fork = counted_fork  # type: ignore[method-assign]
     engine = Engine(target, drafter, num_draft_tokens=5)
     assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
     assert {"NgramDrafter", "EagleDrafter"} <= set(used)
-    assert engine.stats.accepted_tokens > 0
-    target.feature_layers = ()
+    assert engine.last.stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
@@ -319,20 +321,18 @@ def test_eagle_in_a_batch_with_chunked_prefill_matches_plain(tiny_heads, monkeyp
     position's features, across chunks and steps it sat out)."""
     from test_batch import run_batch
 
-    from specdecode import batch as batch_module
-    from specdecode.batch import BatchEngine
+    from specdecode import engine as engine_module
 
     target, head, _, _ = tiny_heads
-    monkeypatch.setattr(batch_module, "PREFILL_ROWS_IDLE", 7)
-    monkeypatch.setattr(batch_module, "PREFILL_ROWS_BUSY", 5)
+    monkeypatch.setattr(engine_module, "PREFILL_ROWS_IDLE", 7)
+    monkeypatch.setattr(engine_module, "PREFILL_ROWS_BUSY", 5)
     prompts = [[1, 2, 3, 4, 1, 2, 3], list(range(5, 45)), [7, 7, 7, 7]]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     eagle = EagleDrafter(head, target, (0, 1), width=2)
-    make = HybridDrafter(eagle).fork if hybrid else eagle.fork
-    together = run_batch(BatchEngine(target, make, 4), [(p, params) for p in prompts], arrivals=[0, 1, 3])
+    drafter = HybridDrafter(eagle) if hybrid else eagle
+    together = run_batch(Engine(target, drafter, 4), [(p, params) for p in prompts], arrivals=[0, 1, 3])
     for prompt, got in zip(prompts, together):
         assert got == [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
-    target.feature_layers = ()
 
 
 def test_a_corpus_too_small_is_one_clear_error(trained: Path, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 that the restricted head's logits are the full head's at those ids (float, float kernel, and blocks)."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -113,8 +114,8 @@ def test_float_head_logits_match_the_full_heads_at_those_ids(tied):
     embedding = model.model.embed_tokens.weight.detach().clone()
     full = logits_of(model)
     ids = torch.tensor([0, 3, 7, 8, 20, 33, 63])
-    restrict_lm_head(model, ids)
-    assert isinstance(model.lm_head, torch.nn.Linear) and model.head_tokens.tolist() == ids.tolist()
+    head_tokens = restrict_lm_head(model, ids)
+    assert isinstance(model.lm_head, torch.nn.Linear) and head_tokens.tolist() == ids.tolist()
     # PyTorch's own GEMM blocks by output width, so the last bit may differ; the native kernel below is exact.
     assert torch.allclose(logits_of(model), full[..., ids], atol=1e-6, rtol=1e-5)
     assert torch.equal(model.model.embed_tokens.weight, embedding)  # the tied embedding keeps every row
@@ -157,7 +158,7 @@ def test_restricted_gguf_blocks_compute_the_same_rows(type_name):
     packed = random_packed(type_name, out=64, inp=512)
     full_head = QuantLinear(packed, None, kernels, keep_rows=True)
     model = torch.nn.Module()
-    model.lm_head, model.device = full_head, torch.device("cpu")
+    model.lm_head, model.device, model.config = full_head, torch.device("cpu"), SimpleNamespace(vocab_size=64)
     x = torch.randn(3, 512)
     ids = torch.tensor([1, 2, 5, 8, 13, 21, 34, 55, 0, 3, 4, 6, 7, 9, 10, 63])
     restrict_lm_head(model, ids)
@@ -192,6 +193,7 @@ def test_cut_draft_head_needs_a_matching_frequency_list():
 
     model = tiny_native("qwen2", seed=0)
     assert packaged_ranking(Vocab()) is None
-    assert not cut_draft_head(model, Vocab(), "tiny", size=32)  # no list for this vocabulary: the head stays whole
-    assert not hasattr(model, "head_tokens")
-    assert not cut_draft_head(model, Vocab(), "tiny", size=0)
+    head = model.lm_head
+    assert cut_draft_head(model, Vocab(), "tiny", size=32) is None  # no list for this vocabulary: the head stays whole
+    assert model.lm_head is head
+    assert cut_draft_head(model, Vocab(), "tiny", size=0) is None

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.drafters.base import Draft, DraftContext
+from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.kv_cache import KVCache
+from specdecode.model import forward_each
 
 
 @dataclass
@@ -31,17 +32,23 @@ class BigramModel(torch.nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(1, batch, 1, max_len, 1, torch.float32)
 
-    def forward(self, tokens, positions, cache, attn_mask, logits_from=0, decode=False):
+    def forward(self, tokens, positions, cache, attn_mask, logits_from=0, decode=False, feature_layers=()):
         logits = self.table[tokens]  # [B, T, vocab]
         return logits[:, logits_from:], logits
 
+    def forward_parts(self, parts, feature_layers=()):
+        return forward_each(self, parts, feature_layers)
 
-class ScriptedDrafter:
+
+class ScriptedDrafter(Drafter):
     """Proposes what `oracle(tokens)` says: the true continuation (always right) or garbage (always wrong)."""
 
     def __init__(self, oracle) -> None:
         self.oracle = oracle
         self.commits: list[int] = []
+
+    def fork(self) -> ScriptedDrafter:
+        return ScriptedDrafter(self.oracle)
 
     def reset(self) -> None:
         self.commits.clear()
@@ -65,7 +72,7 @@ def l1_bound(num_outcomes: int, num_samples: int, delta: float = 1e-6) -> float:
     return math.sqrt(2 * (num_outcomes * math.log(2) + math.log(1 / delta)) / num_samples)
 
 
-class ScriptedTreeDrafter:
+class ScriptedTreeDrafter(Drafter):
     """Proposes a tree: at each depth a wrong guess first, then the oracle's token as its sibling, the next depth
     under the right one; so greedy must pick the second child every time."""
 
@@ -73,6 +80,9 @@ class ScriptedTreeDrafter:
         self.oracle = oracle
         self.vocab = vocab
         self.paths: list[list[int]] = []
+
+    def fork(self) -> ScriptedTreeDrafter:
+        return ScriptedTreeDrafter(self.oracle, self.vocab)
 
     def reset(self) -> None:
         self.paths.clear()
@@ -103,3 +113,13 @@ def exact_sequence_probs(chain: torch.Tensor, start: int, length: int, eos: int)
             prev = tok
         out[seq] = prob  # sequences cut at EOS repeat; their probability is the same each time
     return out
+
+
+class Cycling(Drafter):
+    """A prototype whose forks are made by each maker in turn: requests of one engine draft differently."""
+
+    def __init__(self, *makers) -> None:
+        self.makers = itertools.cycle(makers)
+
+    def fork(self) -> Drafter:
+        return next(self.makers)()

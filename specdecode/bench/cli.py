@@ -20,15 +20,16 @@ from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, SpecDecoder, verify_co
 from specdecode.bench.data import load_prompts
 from specdecode.bench.harness import run_bench
 from specdecode.bench.loaders import (
-    NEEDS_DRAFT, TUNED_DRAFT, BenchModels, all_methods, build_runners, drafter_and_shape, load_models,
+    TUNED_DRAFT, BenchModels, all_methods, build_runners, drafter_and_shape, load_models, needs_draft_model,
     num_draft_tokens, parse_methods, runner_is_ours, weights_bytes,
 )  # fmt: skip
 from specdecode.bench.machine import command_line, machine_info
 from specdecode.bench.report import build_report, markdown
 from specdecode.cli_args import add_sampling_args, add_weight_args, sampling_params
-from specdecode.drafters import DRAFTERS, HEAD_KIND
+from specdecode.drafters import NoDrafter
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, plan_load
+from specdecode.methods import METHODS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -76,7 +77,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise SpecdecodeError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
     trained = trained_folders(args, methods)
     prompts = load_prompts(args.dataset, args.limit, args.prompt_as_chat)
-    draft = args.draft if NEEDS_DRAFT & set(methods) - {"hf-assisted"} else None
+    draft = args.draft if any(needs_draft_model(m) for m in methods if m != "hf-assisted") else None
     plan = plan_load(args.target, draft, args.dtype, args.device, args.quantize, args.draft_quantize, args.weights)
     print(f"bench: {len(prompts)} prompts, methods {', '.join(methods)}; {plan.describe()}; loading models...",
           file=sys.stderr)
@@ -88,7 +89,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("bench: verify cost, relative to one token, for 1..16 tokens: "
               + " ".join(f"{r:.2f}" for r in costs.ratios()), file=sys.stderr)
     runners = build_runners(methods, models, args.num_draft_tokens, args.max_len, args.max_ngram, costs)
-    encoder = SpecDecoder(models.target, models.tokenizer, DRAFTERS["none"](), "none", 0, args.max_len)
+    encoder = SpecDecoder(models.target, models.tokenizer, NoDrafter(), "none", 0, args.max_len)
 
     def decode(ids: list[int]) -> str:  # an answer as the next turn's history sees it
         return models.tokenizer.decode(ids, skip_special_tokens=True)
@@ -107,13 +108,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def head_folders(args: argparse.Namespace) -> dict[str, str | None]:
     """Each trained method -> the folder given for its kind of head (--eagle, --medusa), None if not given."""
-    return {method: getattr(args, kind) for method, kind in HEAD_KIND.items()}
+    return {m.name: vars(args)[m.head] for m in METHODS.values() if m.head is not None}
 
 
 def default_methods(args: argparse.Namespace) -> list[str]:
     """Every method, but a trained one only when its folder was given."""
     given = {**head_folders(args), TUNED_DRAFT: args.draft_adapter}
-    return [m for m in all_methods() if given.get(drafter_and_shape(m)[0], True)]
+    return [m for m in all_methods() if given.get(m if m == TUNED_DRAFT else drafter_and_shape(m)[0], True)]
 
 
 def trained_folders(args: argparse.Namespace, methods: list[str]) -> dict[str, str]:
@@ -122,7 +123,7 @@ def trained_folders(args: argparse.Namespace, methods: list[str]) -> dict[str, s
     folders = {}
     for method, folder in head_folders(args).items():
         if any(m == method or m.startswith(f"{method}-") for m in methods):
-            kind = HEAD_KIND[method]
+            kind = METHODS[method].head
             if not folder or not Path(folder).is_dir():
                 raise SpecdecodeError(f"method {method} needs --{kind} DIR: the folder `specdecode train {kind}` "
                                       "wrote" + (f" ('{folder}' is not a folder)" if folder else ""))

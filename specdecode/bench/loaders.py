@@ -1,11 +1,11 @@
 """Load every model once and build one runner per method around the shared models.
 
-Our methods are the drafter registry (`drafters.DRAFTERS`), so a drafter added there is benchmarked with no change
-here; each gets its own `SpecDecoder` (own KV cache) over the one loaded target. `draft` and `ngram` run their
-default shape; `<method>-chain` and `<method>-tree` pin the shape, so one run compares them. Ours choose the draft
-size per step from the verify cost curve unless --num-draft-tokens fixes it. The reference methods run
-transformers' `generate` on the same checkpoint files (the HF folder that `weights` resolved or converted), in the
-same dtype and on the same device:
+Our methods are the method table's rows (`methods.METHODS`), so a method added there is benchmarked with no change
+here; each gets its own `SpecDecoder` (own engine) over the one loaded target. Methods run their default shape;
+`<method>-chain` and `<method>-tree` pin it for the methods whose shape is a choice, so one run compares them.
+Ours choose the draft size per step from the verify cost curve unless --num-draft-tokens fixes it. The reference
+methods run transformers' `generate` on the same checkpoint files (the HF folder that `weights` resolved or
+converted), in the same dtype and on the same device:
   hf           plain greedy/sampled `generate`
   hf-assisted  `assistant_model` = the draft checkpoint, up to k tokens per step, our confidence cut-off
   hf-pld       `prompt_lookup_num_tokens` = k, n-grams up to `max_ngram` (prompt lookup decoding)
@@ -16,52 +16,58 @@ the float checkpoint in our dtype, or in bfloat16 when our target runs a GGUF fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specdecode.api import (
-    DRAFT_MIN_CONFIDENCE, DRAFT_SHAPES, SpecDecoder, build_drafter, check_same_tokenizer, default_shape,
-)  # fmt: skip
-from specdecode.budget import CostCurve
+from specdecode.api import SpecDecoder
 from specdecode.bench.llamacpp import METHODS as LLAMACPP_METHODS
 from specdecode.bench.llamacpp import LlamaCppRunner, import_llama_cpp
 from specdecode.bench.runners import HFRunner, Runner, SpecRunner
-from specdecode.drafters import DRAFTERS
+from specdecode.budget import CostCurve
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import LoadPlan, load_model, load_tokenizer
-from specdecode.model import Transformer
-from specdecode.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
+from specdecode.loading import LoadPlan, Models, check_same_tokenizer, load_draft, load_model, load_tokenizer
+from specdecode.methods import METHODS, SHAPES, build_drafter
+from specdecode.planner import DRAFT_MIN_CONFIDENCE
+from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
 from specdecode.weights import load_checkpoint, resolve_source
 
 BASELINE = "none"
 # Reference methods -> the method of ours they mirror (its default k), None for plain decoding.
 HF_METHODS: dict[str, str | None] = {"hf": None, "hf-assisted": "draft", "hf-pld": "ngram"}
 MIRRORS = HF_METHODS | {"llamacpp": None, "llamacpp-lookup": "ngram"}
-SHAPED = ("draft", "ngram", "eagle")  # our methods that draft chains or trees
-NEEDS_DRAFT = {"draft", "draft-chain", "draft-tree", "draft-lora", "hybrid", "hf-assisted"}
 # The draft model with a LoRA adapter (`--draft-adapter`), beside the untuned `draft` in the same run.
 TUNED_DRAFT = "draft-lora"
 REFERENCE_NUM_DRAFT_TOKENS = {"draft": 5, "ngram": 4}
 
 
 def all_methods() -> list[str]:
-    shaped = [f"{m}-{shape}" for m in SHAPED for shape in DRAFT_SHAPES]
-    return list(DRAFTERS) + shaped + [TUNED_DRAFT] + list(HF_METHODS) + list(LLAMACPP_METHODS)
+    shaped = [f"{m.name}-{shape}" for m in METHODS.values() if m.shaped for shape in SHAPES]
+    return list(METHODS) + shaped + [TUNED_DRAFT] + list(HF_METHODS) + list(LLAMACPP_METHODS)
 
 
 def runner_is_ours(method: str) -> bool:
     return method not in MIRRORS
 
 
-def drafter_and_shape(method: str) -> tuple[str, str]:
-    """'draft-tree' -> ('draft', 'tree'); 'draft' -> ('draft', the default shape)."""
+def drafter_and_shape(method: str) -> tuple[str, str | None]:
+    """'draft-tree' -> ('draft', 'tree'); 'draft' -> ('draft', None: its default shape); 'draft-lora' -> draft."""
+    if method == TUNED_DRAFT:
+        return "draft", None
     name, _, shape = method.rpartition("-")
-    if name in SHAPED and shape in DRAFT_SHAPES:
+    if name in METHODS and METHODS[name].shaped and shape in SHAPES:
         return name, shape
-    return method, default_shape(method)
+    return method, None
+
+
+def needs_draft_model(method: str) -> bool:
+    """Whether a method of ours runs the draft model (or, for hf-assisted, transformers' copy of it)."""
+    if method == "hf-assisted":
+        return True
+    name = drafter_and_shape(method)[0]
+    return name in METHODS and METHODS[name].needs_draft_model
 
 
 def parse_methods(text: str) -> list[str]:
@@ -86,15 +92,21 @@ def num_draft_tokens(method: str, override: int | None) -> int | None:
 
 @dataclass
 class BenchModels:
-    target: torch.nn.Module  # engine forward contract (native or HFModel)
-    tokenizer: Any
-    draft: torch.nn.Module | None = None
+    ours: Models  # the target, its tokenizer, the draft model (as SpecDecoder.load builds them)
     hf_target: torch.nn.Module | None = None  # transformers CausalLM on the same files
     hf_draft: torch.nn.Module | None = None
     target_gguf: Path | None = None  # the file llama.cpp runs
-    tuned_draft: torch.nn.Module | None = None  # the draft with its LoRA adapter (draft-lora)
+    tuned_draft: Models | None = None  # the draft with its LoRA adapter (draft-lora)
     trained: dict[str, str] = field(default_factory=dict)  # eagle / medusa -> the folder `specdecode train` wrote
     head_weights: dict[str, torch.nn.Module] = field(default_factory=dict)  # method -> its trained head, once built
+
+    @property
+    def target(self) -> torch.nn.Module:
+        return self.ours.target
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.ours.tokenizer
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -104,23 +116,22 @@ class BenchModels:
 def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, device: str,
                 draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None,
                 trained: dict[str, str] | None = None, draft_adapter: str | None = None) -> BenchModels:
-    """Our models as SpecDecoder.load builds them (`plan`, the draft's head cut to `draft_vocab` frequent
-    tokens); transformers' always unquantized. `trained`: the head folder of each trained method."""
+    """Our models as SpecDecoder.load builds them (loading.load_draft); transformers' always unquantized.
+    `trained`: the head folder of each trained method."""
     model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
     if tokenizer is None:
         raise SpecdecodeError(f"target '{target}' ships no tokenizer; the benchmark needs one to encode prompts")
-    models = BenchModels(model, tokenizer, trained=dict(trained or {}))
-    if NEEDS_DRAFT & set(methods):
+    models = BenchModels(Models(model, tokenizer), trained=dict(trained or {}))
+    ours = [m for m in methods if m != "hf-assisted"]
+    if any(needs_draft_model(m) for m in ours if m != TUNED_DRAFT):
+        models.ours.draft, models.ours.draft_head_tokens = load_draft(draft, plan, device, tokenizer, target, None,
+                                                                      draft_vocab, draft_vocab_corpus)
+    elif "hf-assisted" in methods:
         check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
-    if NEEDS_DRAFT & set(methods) - {"hf-assisted"}:
-        models.draft, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
-        cut_draft_head(models.draft, tokenizer, draft, draft_vocab, draft_vocab_corpus)
     if TUNED_DRAFT in methods:
-        from specdecode.trained.lora import apply_adapter
-
-        models.tuned_draft, _ = load_model(draft, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
-        apply_adapter(models.tuned_draft, draft_adapter, draft)
-        cut_draft_head(models.tuned_draft, tokenizer, draft, draft_vocab, draft_vocab_corpus)
+        tuned, head = load_draft(draft, plan, device, tokenizer, target, draft_adapter, draft_vocab,
+                                 draft_vocab_corpus)
+        models.tuned_draft = Models(model, tokenizer, tuned, head)
     hf_dtype = torch.bfloat16 if plan.weights == "stored" else plan.dtype
     if any(m in HF_METHODS for m in methods):
         models.hf_target = load_hf(target, hf_dtype, device)
@@ -153,13 +164,9 @@ def build_runners(methods: list[str], models: BenchModels, override_k: int | Non
             runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, min(max_len, 4096), k, max_ngram)
         else:
             name, shape = drafter_and_shape(method)
-            if not isinstance(models.target, Transformer):
-                shape = "chain"  # as SpecDecoder.load: transformers' models verify chains only
-            if method == TUNED_DRAFT:
-                name, shape = "draft", default_shape("draft")
-            draft_model = models.tuned_draft if method == TUNED_DRAFT else models.draft
-            drafter = build_drafter(name, models.target, draft_model, max_ngram, shape, models.trained.get(name))
-            if (head := getattr(drafter, "weights", None)) is not None:
+            over = models.tuned_draft if method == TUNED_DRAFT else models.ours
+            drafter = build_drafter(name, replace(over, trained=models.trained.get(name)), shape, max_ngram)
+            if (head := drafter.trained_weights) is not None:
                 models.head_weights[method] = head
             decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len, costs)
             runners[method] = SpecRunner(decoder, models.target.device)
@@ -187,7 +194,8 @@ def weights_bytes(method: str, models: BenchModels) -> int:
     if method in HF_METHODS:
         used = [models.hf_target] + ([models.hf_draft] if method == "hf-assisted" else [])
     else:
-        used = [models.target] + ([models.draft] if method in NEEDS_DRAFT else [])
+        draft = models.tuned_draft.draft if method == TUNED_DRAFT else models.ours.draft
+        used = [models.target] + ([draft] if needs_draft_model(method) else [])
         used += [models.head_weights[method]] if method in models.head_weights else []
     tensors = {t.data_ptr(): t.numel() * t.element_size() for m in used for t in model_tensors(m)}
     return sum(tensors.values())

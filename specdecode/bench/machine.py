@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from specdecode.kernels import cpu_model
+
 
 def machine_info(device: str, argv: list[str]) -> dict[str, Any]:
     import transformers
@@ -37,16 +39,6 @@ def machine_info(device: str, argv: list[str]) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
         info["cuda"] = torch.version.cuda
     return info
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_commit() -> str | None:

@@ -1,27 +1,34 @@
-"""The drafter interface: every way of guessing tokens speaks `propose` and `commit`.
+"""The drafter contract: every way of guessing tokens speaks `propose` and `commit`, and declares what it needs.
 
-A drafter reads a `DraftContext` (the request's tokens so far, the target's hidden states, a generator, what a
-target forward costs here) and returns a `Draft`. After verification the engine calls `commit(accepted)` with the
-accepted node indices, root to leaf, so the drafter can roll its own state (a draft model's KV cache) back to the
-accepted path; adaptive drafters learn there too, from the nodes the target verified. Drafters never touch the target's cache, never sample the output
-and never see the tokenizer.
+A drafter reads a `DraftContext` (the request's tokens so far, the target's hidden states, a generator, and the
+`StepPlan` it asks how far to grow) and returns a `Draft`. After verification the engine calls
+`commit(accepted)` with the accepted node indices, root to leaf, so the drafter can roll its own state (a draft
+model's KV cache) back to the accepted path; adaptive drafters learn there too, from the nodes the target verified.
+Drafters never touch the target's cache, never sample the output, never see the tokenizer, and never decide the
+draft size: they report node scores and their own cost per forward, and the planner decides (planner.py).
+
+What a drafter needs from the engine is declared on the `Drafter` base class, with defaults every drafter
+inherits, so no caller probes for attributes: which target layers' inputs it reads (the target returns them with
+its hidden states), whether it reads every position's features, the model whose forwards it batches with other
+requests' (`drafting` yields them), how many tokens it is behind, its seconds per forward.
 
 A chain is a tree whose parents are [-1, 0, 1, ...]; tree drafters fill `parents` with every parent before its
 child. `probs=None` means each token is a point mass (a deterministic guess); otherwise row i is the distribution
 node i was drawn from (see verify.py for siblings). `scores[i]` is the drafter's estimate that node i is accepted
-(for a draft model, the product of draft probabilities along its path): the budget chooser keeps the best nodes.
+(for a draft model, the product of draft probabilities along its path): the planner keeps the best nodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Generator
 
 import torch
 
-from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.masks import depths
+from specdecode.model import Part
+from specdecode.planner import FIXED, StepPlan
 
 
 @dataclass(slots=True)
@@ -102,27 +109,62 @@ class DraftContext:
     tokens: list[int]  # prompt + every emitted token so far; the last one is not yet in the target's cache
     params: SamplingParams  # the request's sampling settings, so draft probabilities match the target's
     generator: torch.Generator | None  # the request's generator (None when greedy)
-    # [T, d] target hidden states of the last step's emitted tokens, if any. A drafter with `reads_hidden = True`
-    # gets every position it has not seen yet instead (the prompt's first), with the target's `feature_layers`.
+    # [T, d] target hidden states of the last step's emitted tokens, if any. A drafter that `reads_every_position`
+    # gets every position it has not seen yet instead (the prompt's first), with its `feature_layers`' inputs.
     hidden: torch.Tensor | None = None
-    costs: CostCurve | None = None  # what a target forward over m tokens costs here; None = fixed draft size
+    plan: StepPlan = FIXED  # what this draft may cost: ask it whether to grow, whether to copy
     max_depth: int = 1 << 30  # deeper nodes could not be emitted (the request's token budget is nearly spent)
-    # In a batch (batch.py): the tokens the other requests' rows yield and how many rows they put in the same
-    # forward, so a drafter weighs its extra rows against what the whole forward makes.
-    others_tokens: float = 0.0
-    others_rows: int = 0
 
 
-class Drafter(Protocol):
+class Drafter:
+    """The base every drafter extends: `fork`, `reset`, `propose` (or `drafting`) and `commit`, plus the
+    capabilities below, declared here with the defaults of a drafter that needs nothing."""
+
+    feature_layers: tuple[int, ...] = ()  # target layers whose inputs it reads (after the final hidden state)
+    reads_every_position: bool = False  # hidden states of every position, not just the last step's
+    forward_s: float = 0.0  # its running seconds per forward (the planner's estimate of a catch-up)
+    drafting_s: float = 0.0  # what its last draft cost, catching up excluded
+
+    @property
+    def forward_model(self) -> torch.nn.Module | None:
+        """The model whose forwards `drafting` yields: the engine batches them across requests. None: it drafts
+        without forwards of its own, or runs them itself (`propose`)."""
+        return None
+
+    @property
+    def trained_weights(self) -> torch.nn.Module | None:
+        """A trained head's weights (what the benchmark counts as this drafter's); None for the others."""
+        return None
+
+    def fork(self) -> Drafter:
+        """A fresh drafter with the same settings (and shared weights), for another request."""
+        raise NotImplementedError
+
     def reset(self) -> None:
         """Forget everything about the previous request."""
 
-    def fork(self) -> Drafter:
-        """A fresh drafter with the same settings (and shared weights), for another request in a batch."""
-
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """Guess up to `max_tokens` tokens that follow `ctx.tokens`."""
+        from specdecode.drafters.lockstep import run_alone
+
+        return run_alone(self.drafting(ctx, max_tokens), self.forward_model, self)
+
+    def drafting(self, ctx: DraftContext, max_tokens: int) -> Generator[Part, torch.Tensor, Draft]:
+        """`propose` as a generator of the forwards of `forward_model` it needs: yields each Part, is sent its
+        logits, returns the Draft. A drafter without such forwards yields none."""
+        return self.propose(ctx, max_tokens)
+        yield  # a generator all the same
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         """The target kept these nodes of the last draft (root to leaf); roll own state to match. `verified`:
-        the nodes of that draft the target saw (the engine may have cut it to fewer), None = all."""
+        the nodes of that draft the target saw (the planner may have cut it to fewer), None = all."""
+
+    def behind(self, tokens: list[int]) -> int:
+        """Tokens its own state lacks: what its next draft first feeds (a prompt, or steps it sat out)."""
+        return 0
+
+    def forward_took(self, seconds: float) -> None:
+        """One of its forwards (its share, when batched with other requests') took `seconds`."""
+
+    def sat_out(self, ctx: DraftContext) -> None:
+        """Another drafter proposed this step in its place (hybrid): keep what it will need later."""

@@ -6,12 +6,13 @@ the last draft token, which was never fed), then grows the draft depth by depth,
 dynamic tree): the `width` best nodes of the newest depth, by cumulative draft probability, go through one batched
 draft forward under a tree mask, and each proposes its `width` most likely tokens as children. With `expand`
 below `width` only the best nodes are fed on, and the other children stay leaves: siblings that cost no draft
-compute at all, only the verify rows the budget chooser decides they are worth. A chain is the tree of width 1. Fed nodes sit in draft cache slots after `base_length`; `commit(accepted)` moves the accepted
+compute at all, only the verify rows the planner decides they are worth. A chain is the tree of width 1. Fed nodes sit in draft cache slots after `base_length`; `commit(accepted)` moves the accepted
 path's fed nodes into place and drops the rest.
 
-When to stop growing: with the machine's verify cost curve (automatic budget), as soon as one more draft forward
-cannot pay for itself even if its best child were accepted for sure; with a fixed budget, at that depth or once
-the draft's confidence in its best new node falls below `min_confidence`. Under sampling a node's confidence is
+When to stop growing is the planner's answer (planner.StepPlan.grow): with the machine's verify cost curve
+(automatic size), as soon as one more draft forward cannot pay for itself even if its best child were accepted
+for sure; with a fixed size, at that depth or once the draft's confidence in its best new node falls below
+`min_confidence`. Under sampling a node's confidence is
 read from the distribution it was drawn from, never from the token drawn (see `_children`): which nodes reach the
 verifier must not depend on their own draws, or the output distribution would drift.
 
@@ -29,8 +30,7 @@ from collections.abc import Generator
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext
-from specdecode.drafters.lockstep import run_alone
-from specdecode.drafters.tree_growth import GrowsTrees, Node
+from specdecode.drafters.tree_growth import ForwardTime, GrowsTrees, Node
 from specdecode.masks import chain_mask
 from specdecode.model import Part, prompt_as_decode_rows
 
@@ -42,8 +42,13 @@ TREE_EXPAND = 1
 
 class DraftModelDrafter(GrowsTrees):
     def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 1024,
-                 min_confidence: float = 0.0, width: int = 1, max_depth: int = 8, expand: int | None = None) -> None:
+                 min_confidence: float = 0.0, width: int = 1, max_depth: int = 8, expand: int | None = None,
+                 head_tokens: torch.Tensor | None = None, clock: ForwardTime | None = None) -> None:
+        """`head_tokens`: the vocabulary id of each logit of a draft head cut to frequent tokens
+        (vocab_subset.cut_draft_head), None when it scores the whole vocabulary."""
         self.model = model
+        self.device = model.device
+        self.head_tokens = None if head_tokens is None else head_tokens.to(model.device)
         self.min_confidence = min_confidence
         self.width = width  # children per expanded node
         self.expand = width if expand is None else expand  # nodes of a depth that go through the next forward
@@ -54,17 +59,17 @@ class DraftModelDrafter(GrowsTrees):
         self.base_length = 0  # cache length when the last draft started: the tokens both models agree on
         self.nodes: list[Node] = []  # the last draft's nodes, before the budget cut
         self.kept: list[int] = []  # which of them went into the Draft, in its order
-        self.forward_s = 0.0  # running estimate of one draft forward's seconds
+        self.clock = clock or ForwardTime()  # running seconds of one draft forward, shared with its forks
         self.forwards = 0  # forwards of the last draft, its catching up excluded
         self.catching_up = False  # the forward now running feeds a prompt or steps this drafter sat out
 
     @property
-    def shape(self) -> str:
-        return "chain" if self.width == 1 else "tree"
+    def forward_model(self) -> torch.nn.Module:
+        return self.model
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.model, self.vocab_size, self.initial_len, self.min_confidence, self.width,
-                                 self.max_depth, self.expand)
+                                 self.max_depth, self.expand, self.head_tokens, self.clock)
 
     def reset(self) -> None:
         if self.cache is not None:
@@ -73,12 +78,12 @@ class DraftModelDrafter(GrowsTrees):
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        return run_alone(self.drafting(ctx, max_tokens), self.model, self)
+        return super().propose(ctx, max_tokens)
 
     def drafting(self, ctx: DraftContext, max_tokens: int) -> Generator[Part, torch.Tensor, Draft]:
         """`propose` as a generator: it yields each draft forward it needs (a Part over this drafter's cache), is
-        sent that forward's logits, and returns the Draft. One request alone runs it with `run_alone`; the batch
-        engine runs every request's at once, their forwards batched into one (`run_batched`)."""
+        sent that forward's logits, and returns the Draft. The engine runs every drafting request's at once,
+        their forwards batched into one (lockstep.run_batched)."""
         self.forwards = 0
         if max_tokens <= 0:
             return Draft.empty()

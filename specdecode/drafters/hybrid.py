@@ -3,11 +3,12 @@ drafts with whichever is expected to make more tokens per second.
 
 Copying is free and, where text repeats (code that reuses its names, an answer rewritten in a second turn), it
 guesses long runs right; a draft model costs a forward per guess (~0.4 of the target's on a CPU) but guesses
-well everywhere. So the n-gram draft is looked up first and valued through the verify cost curve: its best nodes
-are expected to make (1 + sum of their scores) tokens in C(nodes + 1) seconds (the scores: the share of earlier
-matches through a node times the request's running rate of accepted copies). The model is valued by its own
-record in this request: the tokens its steps made over the seconds they took (its drafting plus the verify
-forward). The n-gram drafts when its value is at least the model's. Only matches of two tokens or more are
+well everywhere. So the n-gram draft is looked up first, and the planner values it (planner.StepPlan.copy_pays)
+through the verify cost curve: its best nodes are expected to make (1 + sum of their scores) tokens in
+C(nodes + 1) seconds (the scores: the share of earlier matches through a node times the request's running rate of
+accepted copies). The model is valued by its own record in this request, which this drafter keeps: the tokens its
+steps made over the seconds they took (its drafting plus the verify forward). The n-gram drafts when its value is
+at least the model's. Only matches of two tokens or more are
 looked up: a one-token match guesses little better than chance, and the model guesses better there.
 
 The model sits out the steps the n-gram takes. A draft model feeds what it missed in one forward when it drafts
@@ -24,50 +25,37 @@ from collections.abc import Generator
 
 import torch
 
-from specdecode.drafters.base import Draft, DraftContext
+from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
-from specdecode.drafters.lockstep import run_alone
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.model import Part
+from specdecode.planner import FIXED, Record
 
 MIN_NGRAM = 2
 NGRAM_BRANCHES = 4  # earlier matches merged into the n-gram's tree, as the ngram method's default tree
-PRIOR_SPEEDUP = 1.3  # the model's value before its first step: tokens per one-token forward's time
-RECORD_WEIGHT = 0.25  # weight of the newest step in the model's running record
-FIXED_MIN_SCORE = 0.5  # without a cost curve: copy when the first copied token is at least this likely
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     def __init__(self, draft: DraftModelDrafter | EagleDrafter, max_ngram: int = 3) -> None:
         self.draft = draft
         self.ngram = NgramDrafter(max_ngram=max(max_ngram, MIN_NGRAM), min_ngram=MIN_NGRAM, branches=NGRAM_BRANCHES)
+        # What the model it wraps needs, it needs: an EAGLE head reads every position's features, copied ones too.
+        self.feature_layers = draft.feature_layers
+        self.reads_every_position = draft.reads_every_position
         self.reset()
 
     @property
-    def model(self) -> torch.nn.Module:  # the batch engine batches the draft model's forwards across requests
-        return self.draft.model
+    def forward_model(self) -> torch.nn.Module | None:  # a draft model's forwards batch across requests, a head's not
+        return self.draft.forward_model
 
     @property
-    def forwards_batch(self) -> bool:  # a draft model's forwards batch across requests (lockstep.py), a head's not
-        return hasattr(self.draft, "drafting")
+    def trained_weights(self) -> torch.nn.Module | None:
+        return self.draft.trained_weights
 
     @property
-    def reads_hidden(self) -> bool:  # an EAGLE head reads every position's target features, copied ones too
-        return getattr(self.draft, "reads_hidden", False)
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return getattr(self.draft, "feature_layers", ())
-
-    @property
-    def weights(self) -> torch.nn.Module | None:
-        """A trained head's weights (the benchmark counts them); a draft model is counted as the draft."""
-        return getattr(self.draft, "weights", None)
-
-    @property
-    def shape(self) -> str:
-        return self.draft.shape
+    def forward_s(self) -> float:
+        return self.draft.forward_s
 
     def fork(self) -> HybridDrafter:
         return HybridDrafter(self.draft.fork(), self.ngram.max_ngram)
@@ -76,62 +64,42 @@ class HybridDrafter:
         self.draft.reset()
         self.ngram.reset()
         self.used: NgramDrafter | DraftModelDrafter | EagleDrafter | None = None
-        self.record_tokens = self.record_seconds = 0.0  # running means per step of the model (0: no step yet)
-        self.costs = None
+        self.record = Record()  # the model's running tokens and seconds per step in this request
+        self.plan = FIXED
+        self.nodes = 0  # nodes of its last draft
 
     def behind(self, tokens: list[int]) -> int:
-        return self.draft.behind(tokens) if hasattr(self.draft, "behind") else 0
+        return self.draft.behind(tokens)
 
     def forward_took(self, seconds: float) -> None:
         self.draft.forward_took(seconds)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        return run_alone(self.drafting(ctx, max_tokens), self.draft.model, self)
+        return super().propose(ctx, max_tokens)
 
     def drafting(self, ctx: DraftContext, max_tokens: int) -> Generator[Part, torch.Tensor, Draft]:
-        """`propose` as a generator of draft-model forwards (none when the n-gram or a head drafts), as the draft
-        model's."""
-        self.costs = ctx.costs
+        """`propose` as a generator of the model's forwards (none when the n-gram drafts, nor for a head, which
+        runs its own)."""
+        self.plan = ctx.plan
         copied = self.ngram.propose(ctx, max_tokens)
-        if len(copied) and self._copy_is_worth_more(copied, max_tokens):
+        if len(copied) and ctx.plan.copy_pays(copied.scores, max_tokens, self.record):
             self.used = self.ngram
-            if hasattr(self.draft, "sat_out"):
-                self.draft.sat_out(ctx)
-            return copied
-        self.used = self.draft
-        if not self.forwards_batch:  # a head drafts in its own forwards
-            return self.draft.propose(ctx, max_tokens)
-        return (yield from self.draft.drafting(ctx, max_tokens))
+            self.draft.sat_out(ctx)
+            draft = copied
+        else:
+            self.used = self.draft
+            if self.draft.forward_model is None:  # a head drafts in its own forwards
+                draft = self.draft.propose(ctx, max_tokens)
+            else:
+                draft = yield from self.draft.drafting(ctx, max_tokens)
+        self.nodes = len(draft)
+        return draft
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         if self.used is None:
             return
         self.used.commit(accepted, verified)
-        if self.used is self.draft and self.costs is not None:
-            rows = 1 + (len(verified) if verified is not None else len(self.draft.kept))
-            seconds = self.draft.drafting_s + self.costs.cost(rows)
-            self._record(len(accepted) + 1.0, seconds)
-
-    def _record(self, tokens: float, seconds: float) -> None:
-        if self.record_seconds == 0.0:
-            self.record_tokens, self.record_seconds = tokens, seconds
-            return
-        w = RECORD_WEIGHT
-        self.record_tokens = (1 - w) * self.record_tokens + w * tokens
-        self.record_seconds = (1 - w) * self.record_seconds + w * seconds
-
-    def _copy_is_worth_more(self, copied: Draft, max_tokens: int) -> bool:
-        costs = self.costs
-        if costs is None:
-            return copied.scores[0] >= FIXED_MIN_SCORE
-        ranked = sorted(copied.scores, reverse=True)[:max_tokens]
-        n = costs.best_count(ranked)
-        if n == 0:
-            return False
-        copy_rate = (1.0 + sum(ranked[:n])) / costs.cost(n + 1)
-        if self.record_seconds == 0.0:
-            draft_rate = PRIOR_SPEEDUP / costs.cost(1)
-        else:
-            draft_rate = self.record_tokens / self.record_seconds
-        return copy_rate >= draft_rate
+        if self.used is self.draft and self.plan.costs is not None:
+            rows = 1 + (len(verified) if verified is not None else self.nodes)
+            self.record.add(len(accepted) + 1.0, self.plan.step_seconds(self.draft.drafting_s, rows))

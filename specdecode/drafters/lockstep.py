@@ -1,8 +1,8 @@
-"""Running drafters written as generators (`drafting(ctx, max_tokens)`): each yields the forwards it needs as
-`Part`s over its own cache, is sent the logits, and returns its Draft.
+"""Running drafters as generators (`Drafter.drafting(ctx, max_tokens)`): each yields the forwards of its
+`forward_model` it needs as `Part`s over its own cache, is sent the logits, and returns its Draft.
 
 `run_alone` serves one drafter: one forward per part. `run_batched` serves the drafters of many requests at once
-(the batch engine's step): every round, the parts all of them wait for go through ONE forward of their shared
+(the engine's step): every round, the parts all of them wait for go through ONE forward of their shared
 draft model (model.forward_parts: ragged rows, attention per request), so a batch of requests reads the draft
 model's weights once per depth instead of once per request; a prompt's first feed (a non-decode part) rides along.
 """
@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.drafters.base import Draft
-from specdecode.model import Part, forward_parts
+from specdecode.model import Part
 
-Drafting = Generator[Part, torch.Tensor, Draft]
+if TYPE_CHECKING:
+    from specdecode.drafters.base import Draft, Drafter
+
+Drafting = Generator[Part, torch.Tensor, "Draft"]
 
 
-def run_alone(drafting: Drafting, model: torch.nn.Module, drafter) -> Draft:
+def run_alone(drafting: Drafting, model: torch.nn.Module | None, drafter: Drafter) -> Draft:
     """Drive one drafter's generator to its Draft, one forward per part."""
     try:
         part = next(drafting)
@@ -31,7 +34,7 @@ def run_alone(drafting: Drafting, model: torch.nn.Module, drafter) -> Draft:
 
 
 @torch.inference_mode()
-def run_batched(draftings: list[tuple[Drafting, torch.nn.Module, object]]) -> list[Draft | Exception]:
+def run_batched(draftings: list[tuple[Drafting, torch.nn.Module, Drafter]]) -> list[Draft | Exception]:
     """[(generator, its model, its drafter)] -> each one's Draft (or the exception that ended it), in order."""
     results: list[Draft | Exception | None] = [None] * len(draftings)
     waiting: dict[int, Part] = {}
@@ -62,22 +65,15 @@ def _advance(i: int, gen: Drafting, logits: torch.Tensor | None, waiting: dict[i
         results[i] = e
 
 
-def _forward(model: torch.nn.Module, parts: list[Part], drafters: list) -> list[torch.Tensor]:
+def _forward(model: torch.nn.Module, parts: list[Part], drafters: list[Drafter]) -> list[torch.Tensor]:
     """One forward over `parts`; advances each part's cache; -> each part's logits. A forward of decode rows only
     tells the drafters their share of its time (a prompt's feed would inflate it)."""
     began = time.perf_counter()
-    outputs = forward_parts(model, parts)
+    outputs = model.forward_parts(parts)
     seconds = (time.perf_counter() - began) / len(parts)
     for part in parts:
         part.cache.truncate(part.cache.length + part.tokens.numel())
     if all(part.decode for part in parts):
         for drafter in drafters:
-            if hasattr(drafter, "forward_took"):
-                drafter.forward_took(seconds)
+            drafter.forward_took(seconds)
     return [logits for logits, _ in outputs]
-
-
-def batches_forwards(drafter) -> bool:
-    """Whether this drafter is written as a generator of forwards (and so can draft in lockstep with others); a
-    drafter that wraps another (hybrid.py) says whether the one it wraps is."""
-    return hasattr(drafter, "drafting") and getattr(drafter, "forwards_batch", True)

@@ -1,24 +1,59 @@
-"""Medusa heads draft a static tree from the target's last hidden state (trained/medusa.py; `specdecode train
-medusa`).
+"""Medusa heads (Cai et al. 2024) and the drafter that drafts a static tree with them from the target's last hidden
+state (`specdecode train medusa` trains them).
+
+K small heads sit on the target's last hidden state, head k guessing the token k + 2 positions ahead (the target's
+own head guesses k + 1). Each head is a residual block, h + SiLU(W h + b), starting as the identity (W = 0); all
+share one LM head over a reduced draft vocabulary (`head_tokens`), the target's own rows for those tokens.
 
 Head k proposes its top few tokens for the position k + 1 after the root. Which combinations go into the tree is
 fixed once, from the heads' measured accuracy per rank on held-back text (`top_accuracy` in the folder's
 config.json): a path's score is the product of its ranks' accuracies, and the best `max_nodes` paths make the tree
-(every prefix of a kept path scores at least as high, so the tree is closed under parents). The engine's budget
-chooser cuts it further by those scores. Nodes are point masses: verification, greedy or sampled, stays exact
-whatever the heads say.
+(every prefix of a kept path scores at least as high, so the tree is closed under parents). The planner cuts it
+further by those scores. Nodes are point masses: verification, greedy or sampled, stays exact whatever the heads
+say.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from specdecode.drafters.base import Draft, DraftContext
-from specdecode.trained import store
-from specdecode.trained.medusa import MedusaConfig, MedusaHeads
+from specdecode.drafters import store
+from specdecode.drafters.base import Draft, DraftContext, Drafter
+
+@dataclass(slots=True)
+class MedusaConfig:
+    hidden_size: int
+    num_heads: int
+    draft_vocab: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(config.num_heads))
+        self.lm_head = nn.Linear(d, config.draft_vocab, bias=False)
+        self.register_buffer("head_tokens", torch.zeros(config.draft_vocab, dtype=torch.long))
+
+    @property
+    def device(self) -> torch.device:
+        return self.head_tokens.device
+
+    def forward(self, hidden: torch.Tensor, head: int) -> torch.Tensor:
+        """[T, d] final hidden states -> head `head`'s logits [T, draft_vocab] over `head_tokens`."""
+        hidden = hidden.float()
+        return self.lm_head(hidden + F.silu(self.blocks[head](hidden))).float()
+
 
 MAX_NODES = 24  # the static tree's size before the budget cut; a CPU rarely verifies more than 16
 
@@ -37,7 +72,7 @@ def static_tree(accuracy: list[list[float]], max_nodes: int) -> list[tuple[int, 
     return [p for _, p in sorted(paths, key=lambda item: (len(item[1]), item[1]))]
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     def __init__(self, heads: MedusaHeads, accuracy: list[list[float]], width: int | None = None,
                  max_nodes: int = MAX_NODES) -> None:
         self.heads = heads
@@ -55,19 +90,11 @@ class MedusaDrafter:
         return cls(heads, meta["report"]["top_accuracy"], **kwargs)
 
     @property
-    def weights(self) -> torch.nn.Module:
-        """The trained head (what the benchmark counts as this drafter's weights)."""
+    def trained_weights(self) -> torch.nn.Module:
         return self.heads
-
-    @property
-    def shape(self) -> str:
-        return "chain" if self.width == 1 else "tree"
 
     def fork(self) -> MedusaDrafter:
         return MedusaDrafter(self.heads, self.accuracy, self.width, self.max_nodes)
-
-    def reset(self) -> None:
-        pass
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -82,9 +109,6 @@ class MedusaDrafter:
                       torch.tensor(self.parents, device=self.heads.device), None, list(self.scores))
         draft = draft.select(kept) if len(kept) < len(self.tree) else draft
         return draft.best(max_tokens)
-
-    def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
-        pass  # no state: the next draft reads the target's newest hidden state
 
 
 def _score(accuracy: list[list[float]], path: tuple[int, ...]) -> float:

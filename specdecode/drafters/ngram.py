@@ -7,9 +7,9 @@ text tends to repeat what is near. A tree draft takes several matches (longest n
 and merges their continuations into a trie: where the earlier occurrences disagree, the branches become siblings.
 Drafts are point masses (probs=None).
 
-Scores (the budget chooser's estimate that a node is accepted): the share of the matches that pass through the
-node among those through its parent, times the running rate at which the target accepted an n-gram guess whose
-parent it accepted (this request's own record, starting from an even guess).
+Scores (this drafter's estimate that a node is accepted, which the planner ranks): the share of the matches that
+pass through the node among those through its parent, times the running rate at which the target accepted an
+n-gram guess whose parent it accepted (this request's own record, starting from an even guess).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Draft, DraftContext
+from specdecode.drafters.base import Draft, DraftContext, Drafter
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # the running acceptance rate starts as 1 accepted out of 2 tried
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -30,10 +30,6 @@ class NgramDrafter:
         self.min_ngram = min_ngram
         self.branches = branches  # continuations merged into the draft; 1 drafts a chain
         self.reset()
-
-    @property
-    def shape(self) -> str:
-        return "chain" if self.branches == 1 else "tree"
 
     def fork(self) -> NgramDrafter:
         return NgramDrafter(self.max_ngram, self.min_ngram, self.branches)

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from specdecode.drafters.base import Draft, DraftContext
+from specdecode.drafters.base import Draft, DraftContext, Drafter
 
 
-class NoDrafter:
-    def reset(self) -> None:
-        pass
-
+class NoDrafter(Drafter):
     def fork(self) -> NoDrafter:
         return NoDrafter()
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         return Draft.empty()
-
-    def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
-        pass

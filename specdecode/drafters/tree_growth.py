@@ -1,21 +1,23 @@
 """Growing a draft tree best nodes first, shared by drafters that score tokens with a model (a draft model, an
-EAGLE head): which children each expanded node gets, when one more draft forward stops paying, and the Draft the
-best nodes make. How the tree grows is told in draft_model.py.
+EAGLE head): which children each expanded node gets, asking the planner's `StepPlan` whether one more draft
+forward pays, and the Draft the best nodes make. How the tree grows is told in draft_model.py.
 
-A drafter using it has `model` (its `device`, and `head_tokens` when its head scores a vocabulary subset),
-`width`, `min_confidence`, `vocab_size` (the target's) and `forward_s`, and sets `nodes` and `kept`.
+A drafter using it sets, in its `__init__`, `device`, `head_tokens` (the vocabulary id of each logit its head
+scores, None for the target's whole vocabulary), `width`, `expand`, `max_depth`, `min_confidence`, `vocab_size`
+(the target's) and `clock` (a ForwardTime its forks share); growing sets `nodes` and `kept`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
-from specdecode.drafters.base import Draft, DraftContext
+from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.planner import FORWARD_WEIGHT, running_mean
 from specdecode.sampling import to_probs
 
 Request = TypeVar("Request")
@@ -34,7 +36,33 @@ class Node:
     slot: int = -1  # draft cache slot once fed, -1 = never fed
 
 
-class GrowsTrees:
+@dataclass
+class ForwardTime:
+    """Running seconds per forward of one drafting model, shared by the drafters forked from one: what a forward
+    costs on this machine is no single request's to learn. The forks in one batched forward each report their
+    share: the reports since the last reading make one sample."""
+
+    mean: float = 0.0
+    reports: list[float] = field(default_factory=list)
+
+    def took(self, seconds: float) -> None:
+        self.reports.append(seconds)
+
+    @property
+    def seconds(self) -> float:
+        if self.reports:
+            self.mean = running_mean(self.mean or None, sum(self.reports) / len(self.reports), FORWARD_WEIGHT)
+            self.reports.clear()
+        return self.mean
+
+
+class GrowsTrees(Drafter):
+    clock: ForwardTime
+
+    @property
+    def forward_s(self) -> float:
+        return self.clock.seconds
+
     def _place(self, expand: list[int], nodes: list[Node], start: int, base_length: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Nodes `expand` (one depth) fed at cache slots [start, start + len(expand)) -> (their token ids, their
@@ -53,8 +81,7 @@ class GrowsTrees:
         return ids, positions, mask
 
     def forward_took(self, seconds: float) -> None:
-        """A decode forward of this drafter took `seconds` (its share, when batched with other requests')."""
-        self.forward_s = seconds if self.forward_s == 0 else 0.8 * self.forward_s + 0.2 * seconds
+        self.clock.took(seconds)
 
     def _children(self, logits: torch.Tensor, rows: list[int], depth: int, nodes: list[Node],
                   dists: list[torch.Tensor], ctx: DraftContext) -> list[int]:
@@ -102,7 +129,7 @@ class GrowsTrees:
     def _grow_tree(self, logits: torch.Tensor, ctx: DraftContext, max_tokens: int, started: float,
                    feed: Callable[[list[int], list[Node]], Request]) -> Generator[Request, torch.Tensor, Draft]:
         """Grow the tree from the root's `logits` [1, vocab], one depth a round: each expanded node gets its
-        children, and while one more forward pays (`_worth_growing`) the best `expand` of the newest are fed:
+        children, and while one more forward pays (the planner's `StepPlan.grow`) the best `expand` of the newest are fed:
         yields feed(expand, nodes) and is sent their logits [len(expand), vocab]. Returns the Draft. The draft
         model's feed is a Part (forwards batched across requests); the EAGLE head's, its own forward."""
         nodes: list[Node] = []
@@ -115,43 +142,31 @@ class GrowsTrees:
             if depth >= min(self.max_depth, max_tokens, ctx.max_depth) or not newest:
                 break
             expand = sorted(newest, key=lambda i: -nodes[i].score)[: self.expand]
-            if not self._worth_growing(nodes, nodes[expand[0]], ctx, max_tokens, started):
+            best = nodes[expand[0]]
+            if not ctx.plan.grow([n.score for n in nodes], best.score, best.prob, time.perf_counter() - started,
+                                 self.forward_s, self.min_confidence, max_tokens):
                 break
             logits = yield feed(expand, nodes)
             parents_of_row = expand
         return self._draft(nodes, dists, ctx, max_tokens)
 
-    def _worth_growing(self, nodes: list[Node], best: Node, ctx: DraftContext, max_tokens: int,
-                       started: float) -> bool:
-        if ctx.costs is None:  # fixed budget: grow while the draft is sure of its newest best guess
-            return best.prob >= self.min_confidence
-        # One more draft forward adds at most best.score expected tokens (a child never scores above its parent).
-        best_new = best.score
-        scores = sorted((n.score for n in nodes), reverse=True)[:max_tokens]
-        spent = time.perf_counter() - started
-        tokens, rows = 1.0 + ctx.others_tokens, 1 + ctx.others_rows  # in a batch the others share the forward
-        n = ctx.costs.best_count(scores, spent, tokens, rows)
-        expected, now = tokens + sum(scores[:n]), spent + ctx.costs.cost(rows + n)
-        grown = spent + self.forward_s + ctx.costs.cost(rows + n + 1)
-        return (expected + best_new) / grown > expected / now
-
     def _draft(self, nodes: list[Node], dists: list[torch.Tensor], ctx: DraftContext, max_tokens: int) -> Draft:
         order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, i))[:max_tokens]
         self.nodes, self.kept = nodes, sorted(order)  # parents come before children, as in `nodes`
         if not self.kept:
-            return Draft.empty(self.model.device)
+            return Draft.empty(self.device)
         index = {node: i for i, node in enumerate(self.kept)}
         kept = [nodes[i] for i in self.kept]
-        device = self.model.device
+        device = self.device
         tokens = torch.tensor([n.token for n in kept], dtype=torch.long, device=device)
         parents = torch.tensor([index[n.parent] if n.parent >= 0 else -1 for n in kept], dtype=torch.long,
                                device=device)
         probs = None
         if not ctx.params.greedy:
             rows = torch.stack([dists[n.dist] for n in kept])  # [n, vocab] or [n, subset]
-            if (head_tokens := getattr(self.model, "head_tokens", None)) is not None:
+            if self.head_tokens is not None:
                 full = rows.new_zeros(len(kept), self.vocab_size)
-                full[:, head_tokens[head_tokens < self.vocab_size]] = rows
+                full[:, self.head_tokens[self.head_tokens < self.vocab_size]] = rows
                 rows = full
             for row, node in zip(rows, kept):
                 if node.drawn_before:  # drawn without replacement: its siblings drawn earlier were not available
@@ -164,7 +179,7 @@ class GrowsTrees:
         """Draft logits [R, size] -> (logits over the tokens it may propose, their vocabulary ids or None when
         that is the target's whole vocabulary). A head over frequent tokens only (vocab_subset.py) keeps its
         subset, minus any id the target lacks; the rest are never drafted."""
-        head_tokens = getattr(self.model, "head_tokens", None)
+        head_tokens = self.head_tokens
         if head_tokens is None:
             return self._fit_vocab(logits), None
         known = head_tokens < self.vocab_size

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 from pathlib import Path
@@ -25,6 +26,16 @@ import torch
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "layer_cpu.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "layer_cpu.h")]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpu_flags() -> list[str]:

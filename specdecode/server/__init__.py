@@ -7,8 +7,8 @@
                      ServerSettings(model_name="smollm2-135m-instruct"))
 
 Modules: app (routes), service (request checks -> queued job), schemas (request bodies), openapi (the
-/openapi.json document), scheduler (one worker thread runs the batch engine; fair admission, limits), streams
+/openapi.json document), scheduler (one worker thread runs the engine; fair admission, limits), streams
 (SSE / whole answers), formats (OpenAI objects), metrics (Prometheus), cli (`serve` flags), ray_app (replicas on
-Ray Serve), background (a server in a thread), static/playground.html (GET /).
+Ray Serve), static/playground.html (GET /).
 Nothing is imported here, so `specdecode generate` does not pay for importing the web stack.
 """

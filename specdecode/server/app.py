@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from specdecode.batch import kv_budget_tokens
+from specdecode.engine import kv_budget_tokens
 from specdecode.server.errors import ApiError, error_body, error_response
 from specdecode.server.metrics import Metrics
 from specdecode.server.openapi import (

@@ -68,7 +68,7 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r).labels(**labels)
         self.draft_tokens_per_step = Histogram(
             P + "spec_decode_draft_tokens_per_step", "Draft tokens verified for one request in one step (0 = "
-            "speculation off for it: the budget chooser found drafting does not pay at this load).", names,
+            "speculation off for it: the planner found drafting does not pay at this load).", names,
             buckets=DRAFT_BUCKETS, registry=r).labels(**labels)
         self.kv_reserved = Gauge(P + "kv_cache_reserved_tokens", "KV cache slots reserved by running requests.",
                                  names, registry=r).labels(**labels)
@@ -80,7 +80,7 @@ class Metrics:
         self._labels = labels
 
     def record_step(self, info, running: int, kv_reserved: int) -> None:
-        """One engine step: `info` is batch.StepInfo."""
+        """One engine step: `info` is engine.StepInfo."""
         self.batch_size.observe(info.requests)
         self.batch_rows.observe(info.rows)
         for n in info.draft_tokens:

@@ -1,7 +1,7 @@
 """`specdecode serve --replicas N`: N copies of the server behind one OpenAI-compatible endpoint, on Ray Serve.
 
 Each replica is a Ray actor that loads the models and builds the same FastAPI app `specdecode serve` runs (its own
-batch engine, scheduler and /metrics, labelled with the replica's id); Ray Serve's proxy spreads requests over the
+engine, scheduler and /metrics, labelled with the replica's id); Ray Serve's proxy spreads requests over the
 replicas, health-checks each (a replica whose engine stopped is restarted) and keeps serving with the rest when
 one dies. `ray` is an optional extra: `pip install "specdecode[ray]"`. On one machine replicas share its cores,
 so each gets `cpus` of them (torch threads included); across machines, start Ray on each (docs/server.md).

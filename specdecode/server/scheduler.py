@@ -1,6 +1,6 @@
-"""Many HTTP clients, one batch engine: continuous batching with speculation (batch.py).
+"""Many HTTP clients, one engine: continuous batching with speculation (engine.py).
 
-One worker thread owns the BatchEngine. Each loop it admits waiting requests while the engine has room (a bound on
+One worker thread owns the decoder's Engine. Each loop it admits waiting requests while the engine has room (a bound on
 running requests and on reserved KV cache slots), runs ONE engine step for every running request, and hands
 each request the text its step released. Requests join and leave between steps.
 
@@ -93,8 +93,9 @@ class Scheduler:
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.max_per_client = max_per_client
-        self.engine = decoder.batch_engine(max_running, kv_budget_tokens)
-        self.default_num_draft_tokens = decoder.engine.num_draft_tokens
+        self.engine = decoder.engine
+        self.engine.set_limits(max_running, kv_budget_tokens)
+        self.default_num_draft_tokens = self.engine.num_draft_tokens
         self._waiting: list[Job] = []
         self._running: list[Job] = []
         self._per_client: Counter[str] = Counter()  # running + waiting
@@ -208,10 +209,13 @@ class Scheduler:
                 self.engine.remove(job.seq)
                 self._end(job, Failure(500, "internal server error (see the server log)"), "error")
             return
-        self.metrics.record_step(self.engine.last, len(self._running), self.engine.kv_reserved)
+        self.metrics.record_step(self.engine.last_step, len(self._running), self.engine.kv_reserved)
         jobs = {id(j.seq): j for j in self._running}
         for seq, outcome in results:
-            job = jobs[id(seq)]
+            job = jobs.get(id(seq))
+            if job is None:  # a request the server did not add (the decoder used beside it): not its to run
+                self.engine.remove(seq)
+                continue
             if isinstance(outcome, Exception):
                 if isinstance(outcome, SpecdecodeError):
                     failure = Failure(400, str(outcome))
@@ -220,13 +224,15 @@ class Scheduler:
                     failure = Failure(500, "internal server error (see the server log)")
                 self._end(job, failure, "error")
                 continue
-            chunk = text_chunk(job.text, outcome, seq.stats)
+            chunk = text_chunk(job.text, outcome)
+            if job.text.stopped:  # a stop string ends it here, not in the engine
+                self.engine.stop(seq, len(outcome.tokens) - len(chunk.token_ids))
             job.first_token_at = job.first_token_at or time.perf_counter()
             event = Chunk(chunk.pieces, chunk.token_ids, chunk.from_draft, chunk.finish_reason, seq.stats.to_dict())
             if chunk.finish_reason is None:
                 job.emit(event)
             else:
-                self.engine.remove(seq)  # a stop string ends it here, not in the engine
+                self.engine.remove(seq)
                 self._end(job, event, chunk.finish_reason)
 
     def _end(self, job: Job, last: Chunk | Failure | None, reason: str) -> None:

@@ -14,14 +14,13 @@ from fastapi.responses import JSONResponse, Response
 
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
+from specdecode.planner import Planner
 from specdecode.server.errors import ApiError
 from specdecode.server.formats import Meta, completion, usage
 from specdecode.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_request, sampling_params
 from specdecode.server.scheduler import ClientLimit, QueueFull, Scheduler
 from specdecode.server.settings import ServerSettings
 from specdecode.server.streams import JobStream, collect
-
-SEEDED_NUM_DRAFT_TOKENS = 4  # the draft size of a seeded sampled request when the server's is automatic
 
 
 class CompletionService:
@@ -95,12 +94,7 @@ class CompletionService:
         k, limit = req.num_draft_tokens, self.settings.max_draft_tokens
         if k is not None and k > limit:
             raise ApiError(400, f"num_draft_tokens must be <= {limit}, got {k}", "num_draft_tokens")
-        if k is None and self.scheduler.default_num_draft_tokens is None and params.seed is not None \
-                and not params.greedy:
-            # An automatic draft size follows load and timing, and so would the draws a seeded request makes:
-            # a fixed size keeps its answer the same whatever else the server is doing.
-            return SEEDED_NUM_DRAFT_TOKENS
-        return k
+        return Planner.served_size(k, self.scheduler.default_num_draft_tokens, params)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

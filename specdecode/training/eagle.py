@@ -1,4 +1,4 @@
-"""Train an EAGLE head (trained/eagle.py) on a feature cache: soft cross-entropy against the target's own
+"""Train an EAGLE head (drafters/eagle.py) on a feature cache: soft cross-entropy against the target's own
 top-k distribution, restricted to the draft vocabulary, over `steps` unrolled draft steps (weights 0.8^k: the
 first guess matters most, every later one only if those before it were accepted)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.trained.eagle import EagleConfig, EagleHead, target_embeddings
+from specdecode.drafters.eagle import EagleConfig, EagleHead, target_embeddings
 from specdecode.training.features import Features
 from specdecode.training.loop import (
     Batch, chain_report, draft_vocab, head_rows, optimize, packed_batches, soft_loss,

@@ -104,13 +104,13 @@ def build(target: torch.nn.Module, train: list[Example], held: list[Example], fo
         total = sum(len(e.ids) for e in left)
         if done:
             print(f"resuming the target's features after {done} of {len(examples)} examples ({folder})")
-        target.feature_layers = tuple(settings["feature_layers"])
+        layers = tuple(settings["feature_layers"])
         rows: list[dict[str, torch.Tensor]] = []
         in_shard = 0
         started = time.perf_counter()
         with tqdm(total=total, unit="tok", desc="target features", dynamic_ncols=True) as bar:
             for i, example in enumerate(left, done + 1):
-                rows.append(_example_rows(target, example))
+                rows.append(_example_rows(target, example, layers))
                 in_shard += len(example.ids)
                 bar.update(len(example.ids))
                 if in_shard >= SHARD_TOKENS or i == len(examples):
@@ -122,7 +122,6 @@ def build(target: torch.nn.Module, train: list[Example], held: list[Example], fo
                     rows, in_shard = [], 0
         manifest["seconds"] = manifest.get("seconds", 0.0) + time.perf_counter() - started
         _write_json(manifest_path, manifest)
-        target.feature_layers = ()
     return read(folder, target.config.hidden_size)
 
 
@@ -139,12 +138,13 @@ def read(folder: Path, hidden_size: int) -> Features:
 
 
 @torch.inference_mode()
-def _example_rows(target: torch.nn.Module, example: Example) -> dict[str, torch.Tensor]:
+def _example_rows(target: torch.nn.Module, example: Example, layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
     ids = torch.tensor(example.ids, device=target.device)
     n = ids.numel()
     cache = target.new_cache(1, n)
     positions = torch.arange(n, device=ids.device)
-    _, hidden = target(ids[None], positions[None], cache, chain_mask(0, n, ids.device), logits_from=n - 1)
+    _, hidden = target(ids[None], positions[None], cache, chain_mask(0, n, ids.device), logits_from=n - 1,
+                       feature_layers=layers)
     hidden = hidden[0]  # [n, d * (1 + layers)]
     d = target.config.hidden_size
     top_ids, top_lp = [], []

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from specdecode.trained.eagle import target_embeddings
+from specdecode.drafters.eagle import target_embeddings
 from specdecode.training.features import Features
 from specdecode.vocab_subset import frequent_tokens
 

@@ -12,8 +12,8 @@ import torch
 
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, load_model
-from specdecode.trained import store
-from specdecode.trained.lora import KIND
+from specdecode.drafters import store
+from specdecode.drafters.lora import KIND
 from specdecode.training.features import Features
 from specdecode.training.loop import optimize, packed_batches
 
@@ -29,7 +29,7 @@ def train_and_save(args: argparse.Namespace, target: torch.nn.Module, tokenizer,
         raise SpecdecodeError("`specdecode train draft` needs peft: pip install 'specdecode[train]'") from None
     import transformers
 
-    from specdecode.api import check_same_tokenizer
+    from specdecode.loading import check_same_tokenizer
     from specdecode.weights import load_checkpoint
 
     ckpt = load_checkpoint(args.draft, torch.float32)

@@ -1,11 +1,11 @@
-"""Train Medusa heads (trained/medusa.py) on a feature cache: head k against the target's own top-k
+"""Train Medusa heads (drafters/medusa.py) on a feature cache: head k against the target's own top-k
 distribution k + 2 tokens ahead; then measure each head's top-k accuracy, which decides the static tree."""
 
 from __future__ import annotations
 
 import torch
 
-from specdecode.trained.medusa import MedusaConfig, MedusaHeads
+from specdecode.drafters.medusa import MedusaConfig, MedusaHeads
 from specdecode.training.features import Features
 from specdecode.training.loop import (
     Batch, chain_report, draft_vocab, head_rows, optimize, packed_batches, soft_loss,

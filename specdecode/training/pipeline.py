@@ -10,7 +10,7 @@ from pathlib import Path
 from specdecode import hub
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import load_model, plan_load
-from specdecode.trained import store
+from specdecode.drafters import store
 from specdecode.training import features as feature_cache
 from specdecode.training.data import data_key, expand, read_examples, sample
 

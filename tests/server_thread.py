@@ -1,4 +1,4 @@
-"""Run the server on a loopback port in a background thread: for tests, notebooks and the load script.
+"""Run the server on a loopback port in a background thread, for the tests.
 
     with BackgroundServer(create_app(decoder, settings)) as url:
         OpenAI(base_url=url + "/v1", api_key="x").completions.create(...)

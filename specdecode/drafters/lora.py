@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecdecodeError
-from specdecode.trained import store
+from specdecode.drafters import store
 
 KIND = "draft"
 

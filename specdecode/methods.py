@@ -1,0 +1,118 @@
+"""The method table: for each `--method`, its drafter factory, its default shape and what `--draft` names for it.
+The Python API (api.py), the command-line flags (cli_args.py) and the benchmark (bench/) all read it; it is the
+only place a method name is mapped to behaviour. A new drafter is one file in drafters/ and one row here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdecode.drafters import (Drafter, DraftModelDrafter, EagleDrafter, HybridDrafter, MedusaDrafter,
+                                 NgramDrafter, NoDrafter)
+from specdecode.drafters import draft_model
+from specdecode.drafters.hybrid import NGRAM_BRANCHES
+from specdecode.errors import SpecdecodeError
+from specdecode.loading import Models
+from specdecode.planner import DRAFT_MIN_CONFIDENCE
+
+SHAPES = ("chain", "tree")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str  # one line for --help and the docs
+    # What --draft names: "model" (a draft model with the target's tokenizer), a head kind ("eagle", "medusa":
+    # the folder `specdecode train KIND` wrote), or None (nothing).
+    draft: str | None
+    default_shape: str  # "chain" or "tree" when --draft-shape is not given
+    shaped: bool  # whether --draft-shape changes it (the benchmark can run NAME-chain and NAME-tree side by side)
+    build: Callable[[Models, bool, int], Drafter]  # (models, tree?, max_ngram) -> the drafter
+
+    @property
+    def drafts(self) -> bool:
+        """False for plain decoding, the baseline (no draft size to choose, no cost curve needed)."""
+        return self.name != "none"
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.draft == "model"
+
+    @property
+    def head(self) -> str | None:
+        """The kind of trained head its --draft folder holds, None for methods without one."""
+        return self.draft if self.draft not in (None, "model") else None
+
+
+def _draft_model(models: Models, tree: bool, max_ngram: int) -> DraftModelDrafter:
+    # Measured side by side (BENCHMARKS.md, "Trees, the draft size chooser"): on a 2-core CPU a draft model's
+    # siblings rarely pay for the wider draft forwards and verify rows they cost: chains by default.
+    return DraftModelDrafter(models.draft, vocab_size=models.target.config.vocab_size,
+                             min_confidence=DRAFT_MIN_CONFIDENCE, width=draft_model.TREE_WIDTH if tree else 1,
+                             expand=draft_model.TREE_EXPAND if tree else 1, head_tokens=models.draft_head_tokens)
+
+
+def _eagle(models: Models, tree: bool, max_ngram: int) -> EagleDrafter:
+    return EagleDrafter.load(models.trained, models.target, **({} if tree else {"width": 1}))
+
+
+def _medusa(models: Models, tree: bool, max_ngram: int) -> MedusaDrafter:
+    return MedusaDrafter.load(models.trained, models.target, **({} if tree else {"width": 1}))
+
+
+def _ngram(models: Models, tree: bool, max_ngram: int) -> NgramDrafter:
+    return NgramDrafter(max_ngram=max_ngram, branches=NGRAM_BRANCHES if tree else 1)  # siblings cost nothing
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("none", "plain decoding through the same engine: the baseline", None, "chain", False,
+           lambda models, tree, max_ngram: NoDrafter()),
+    Method("draft", "a smaller model with the target's tokenizer drafts every step", "model", "chain", True,
+           _draft_model),
+    Method("ngram", "prompt lookup: copies what followed an earlier match of the last tokens", None, "tree", True,
+           _ngram),
+    Method("hybrid", "prompt lookup where it pays, else the draft model (the default)", "model", "chain", False,
+           lambda models, tree, max_ngram: HybridDrafter(_draft_model(models, tree, max_ngram), max_ngram)),
+    Method("eagle", "a trained EAGLE head over the target's features drafts a tree", "eagle", "tree", True, _eagle),
+    Method("medusa", "trained Medusa heads draft a static tree", "medusa", "tree", False, _medusa),
+    Method("hybrid-eagle", "prompt lookup where it pays, else a trained EAGLE head", "eagle", "tree", False,
+           lambda models, tree, max_ngram: HybridDrafter(_eagle(models, tree, max_ngram), max_ngram)),
+)}
+DEFAULT_METHOD = "hybrid"
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise SpecdecodeError(f"unknown method '{name}': choose one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def shape_of(name: str, shape: str | None) -> str:
+    """The shape `name` drafts: `shape` if given (checked), else the method's default."""
+    if shape is None:
+        return get_method(name).default_shape
+    if shape not in SHAPES:
+        raise SpecdecodeError(f"unknown draft shape '{shape}': choose one of {', '.join(SHAPES)}")
+    return shape
+
+
+def build_drafter(name: str, models: Models, shape: str | None = None, max_ngram: int = 3) -> Drafter:
+    """The drafter of method `name` over loaded models (a tree needs the native model's tree attention: a
+    transformers model verifies chains)."""
+    from specdecode.model import Transformer
+
+    tree = shape_of(name, shape) == "tree" and isinstance(models.target, Transformer)
+    return get_method(name).build(models, tree, max_ngram)
+
+
+def trained_folder(name: str, draft: str | None) -> str | None:
+    """The trained drafter folder a method with a head needs (None for other methods)."""
+    head = get_method(name).head
+    if head is None:
+        return None
+    if not draft or not Path(draft).is_dir():
+        raise SpecdecodeError(f"--method {name} needs --draft DIR: the folder `specdecode train {head}` wrote"
+                              + (f" ('{draft}' is not a folder)" if draft else ""))
+    return draft

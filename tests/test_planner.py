@@ -1,0 +1,61 @@
+"""The planner: the node count that pays best, the tree-growth and copy decisions, and sizes per request."""
+
+import pytest
+
+from specdecode.budget import CostCurve
+from specdecode.config import SamplingParams
+from specdecode.planner import FIXED, SEEDED_NUM_DRAFT_TOKENS, Planner, Record, StepPlan, best_count
+
+
+def test_fast_one_token_forwards_do_not_talk_the_chooser_out_of_drafting():
+    curve = CostCurve((1.0, 1.2, 1.4, 1.6))
+    scores = [0.5, 0.3]
+    assert best_count(curve, scores) == 2
+    for seconds in (0.9, 0.8, 0.7, 0.6):  # ever faster undrafted steps, as a machine's quiet spells give
+        curve = curve.observe(1, seconds)
+    assert curve.ratios() == pytest.approx([1.0, 1.2, 1.4, 1.6])  # the measured shape is kept
+    assert best_count(curve, scores) == 2
+
+
+def test_best_count_trades_expected_tokens_against_cost():
+    flat = CostCurve(tuple([1.0] * 16))  # a GPU-like curve: every node is free, keep them all
+    assert best_count(flat, [0.9, 0.5, 0.1, 0.01]) == 4
+    steep = CostCurve(tuple(1.0 + 0.5 * m for m in range(16)))  # each node costs half a forward
+    assert best_count(steep, [0.9, 0.8, 0.3]) == 2  # (1 + 1.7) / 2.0 beats (1 + 2.0) / 2.5
+    assert best_count(steep, [0.9, 0.8, 0.3], draft_seconds=10.0) == 3  # drafting dominates: verify them all
+    assert best_count(steep, []) == 0
+
+
+def test_a_tree_grows_while_one_more_forward_pays():
+    steep = StepPlan(CostCurve(tuple(1.0 + 0.5 * m for m in range(16))))
+    # A sure best child and a draft forward at a tenth of the target's: worth it; at ten times, not.
+    assert steep.grow([0.9], 0.9, 0.9, spent=0.1, forward_s=0.1, min_confidence=0.5, max_tokens=8)
+    assert not steep.grow([0.9], 0.9, 0.9, spent=0.1, forward_s=10.0, min_confidence=0.5, max_tokens=8)
+    # In a batch the other requests' rows make each extra row dearer on a CPU-like slope.
+    crowded = StepPlan(steep.costs, others_tokens=15.0, others_rows=15)
+    assert not crowded.grow([0.3], 0.3, 0.3, spent=0.1, forward_s=0.3, min_confidence=0.5, max_tokens=8)
+    # A fixed size grows while the drafter is sure of its newest best guess.
+    assert FIXED.grow([0.9], 0.2, 0.6, 0.0, 0.0, min_confidence=0.5, max_tokens=8)
+    assert not FIXED.grow([0.9], 0.2, 0.4, 0.0, 0.0, min_confidence=0.5, max_tokens=8)
+
+
+def test_copy_is_taken_when_it_beats_the_models_record():
+    plan = StepPlan(CostCurve((1.0, 1.1, 1.2, 1.3)))
+    sure = [0.9, 0.8, 0.7]
+    assert plan.copy_pays(sure, 8, Record())  # before the model's first step: worth more than its prior
+    model = Record()
+    model.add(tokens=3.0, seconds=1.5)  # the model made 3 tokens in a 1.5 s step: 2 a second
+    assert not plan.copy_pays([0.3], 8, model)
+    assert plan.copy_pays(sure, 8, model)
+    assert FIXED.copy_pays([0.6], 8, model) and not FIXED.copy_pays([0.4], 8, model)
+
+
+def test_sizes_a_request_gets():
+    planner = Planner(None)
+    assert planner.draft_size(None, 3) == 3 and planner.draft_size(5, None) == 5
+    with pytest.raises(Exception, match="cost curve"):
+        planner.draft_size(None, None)
+    seeded = SamplingParams(temperature=0.7, seed=1)
+    assert Planner.served_size(None, None, seeded) == SEEDED_NUM_DRAFT_TOKENS  # reproducible beside other requests
+    assert Planner.served_size(2, None, seeded) == 2
+    assert Planner.served_size(None, None, SamplingParams(seed=1)) is None  # greedy: automatic stays
