@@ -11,6 +11,8 @@ drafted-and-accepted or not, and applies stop strings; the engine below it sees 
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -58,6 +60,7 @@ class SpecDecoder:
         self.tokenizer = tokenizer
         self.method = method
         self.engine = Engine(target, drafter, num_draft_tokens, max_len, costs)
+        self._home = threading.get_ident()  # the thread that built it: where its models were loaded
 
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = DEFAULT_METHOD,
@@ -113,6 +116,12 @@ class SpecDecoder:
 
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False,
                num_draft_tokens: int | None = None) -> Iterator[TextChunk]:
+        if threading.get_ident() != self._home:
+            warnings.warn("specdecode: generating on another thread than the one that loaded the models makes every "
+                          "forward slower (OpenMP keeps a thread team per calling thread; compute.py): load and "
+                          "generate on one thread, e.g. a specdecode.compute.ComputeThread", RuntimeWarning,
+                          stacklevel=2)
+            self._home = threading.get_ident()  # said once per move
         ids = self.encode(prompt, chat)
         text = TextStream(self.tokenizer, params.stop)
         steps = self.engine.generate(ids, params, num_draft_tokens)

@@ -55,3 +55,23 @@ def test_mismatched_tokenizers_are_refused():
 
     with pytest.raises(SpecdecodeError, match="different tokenizers"):
         check_same_tokenizer(SmallByteTokenizer(), Other(), "t", "d")
+
+
+def test_generating_on_another_thread_than_the_models_were_loaded_on_warns_once():
+    import threading
+    import warnings
+
+    sd = decoder(NoDrafter())
+    caught: list = []
+
+    def generate_twice() -> None:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            sd.generate("12", SamplingParams(max_new_tokens=2))
+            sd.generate("12", SamplingParams(max_new_tokens=2))
+        caught.extend(w for w in seen if issubclass(w.category, RuntimeWarning))
+
+    thread = threading.Thread(target=generate_twice)
+    thread.start()
+    thread.join()
+    assert len(caught) == 1 and "thread" in str(caught[0].message)

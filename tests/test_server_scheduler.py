@@ -10,12 +10,13 @@ import threading
 import httpx
 import pytest
 
-from specdecode.engine import StepInfo
+from server_thread import BackgroundServer
+from specdecode.compute import ComputeThread
 from specdecode.config import SamplingParams
+from specdecode.engine import StepInfo
 from specdecode.errors import SpecdecodeError
 from specdecode.sequence import Step
 from specdecode.server.app import create_app
-from server_thread import BackgroundServer
 from specdecode.server.metrics import Metrics
 from specdecode.server.scheduler import ClientLimit, Chunk, Failure, QueueFull, Scheduler
 from specdecode.server.settings import ServerSettings
@@ -51,6 +52,7 @@ class ScriptedEngine:
         self.batches: list[list[int]] = []  # the first prompt id of each request in each step
         self.permits = threading.Semaphore(0)
         self.last_step = StepInfo()
+        self.threads: set[str] = set()  # the threads its steps ran on
 
     def set_limits(self, max_running: int, kv_budget_tokens: int | None = None) -> None:
         pass  # the test's own max_running stands
@@ -78,6 +80,7 @@ class ScriptedEngine:
 
     def step(self):
         assert self.permits.acquire(timeout=10)
+        self.threads.add(threading.current_thread().name)
         self.batches.append([s.prompt[0] for s in self.running])
         out = []
         for seq in list(self.running):
@@ -116,8 +119,10 @@ async def drain(job) -> list:
     return events
 
 
-def with_scheduler(decoder: ScriptedDecoder, body, max_waiting: int = 8, max_per_client: int = 32) -> None:
-    scheduler = Scheduler(decoder, Metrics("m", "ngram"), max_waiting, max_per_client=max_per_client)
+def with_scheduler(decoder: ScriptedDecoder, body, max_waiting: int = 8, max_per_client: int = 32,
+                   compute: ComputeThread | None = None) -> None:
+    scheduler = Scheduler(decoder, Metrics("m", "ngram"), max_waiting, max_per_client=max_per_client,
+                          compute=compute)
     scheduler.start()
     try:
         asyncio.run(body(scheduler))
@@ -140,6 +145,31 @@ def test_requests_share_steps_with_their_own_draft_length():
     with_scheduler(decoder, body)
     assert decoder.batch.started == [([1], 2), ([2], None), ([3], 0)]  # None: the engine's default
     assert decoder.batch.batches[0] == [1, 2, 3]  # one step served all three
+
+
+def test_the_engine_steps_on_the_thread_that_loaded_the_models():
+    """OpenMP is fast from one thread only (compute.py): the server loads on a ComputeThread and steps there."""
+    compute = ComputeThread("loader")
+    decoder = compute.run(ScriptedDecoder)  # "loads" on it
+
+    async def body(scheduler):
+        job = scheduler.submit([1], PARAMS)
+        decoder.allow()
+        await drain(job)
+
+    with_scheduler(decoder, body, compute=compute)
+    assert decoder.engine.threads == {"loader"}
+    assert compute.run(threading.current_thread) is not threading.current_thread()  # still serving jobs after
+
+
+def test_a_compute_thread_runs_jobs_in_order_and_hands_back_errors():
+    compute = ComputeThread()
+    seen = []
+    futures = [compute.submit(seen.append, i) for i in range(5)]
+    assert [f.result(timeout=10) for f in futures] == [None] * 5 and seen == list(range(5))
+    with pytest.raises(ZeroDivisionError):
+        compute.run(lambda: 1 / 0)
+    assert compute.run(lambda: threading.current_thread().name) == "specdecode-compute"  # the error ended no thread
 
 
 def test_a_client_with_many_requests_does_not_starve_another():

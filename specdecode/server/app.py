@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from specdecode.compute import ComputeThread
 from specdecode.engine import kv_budget_tokens
 from specdecode.server.errors import ApiError, error_body, error_response
 from specdecode.server.metrics import Metrics
@@ -36,11 +37,13 @@ from specdecode.server.settings import ServerSettings
 log = logging.getLogger("specdecode.server")
 
 
-def create_app(decoder, settings: ServerSettings) -> FastAPI:
+def create_app(decoder, settings: ServerSettings, compute: ComputeThread | None = None) -> FastAPI:
+    """`compute`: the thread `decoder` was loaded on, where the engine then runs (compute.py says why it matters;
+    None: a thread of the server's own)."""
     metrics = Metrics(settings.model_name, decoder.method, settings.replica)
     kv_budget = kv_budget_tokens(decoder.engine.target, settings.kv_cache_gib)
     scheduler = Scheduler(decoder, metrics, settings.max_waiting, settings.max_running, settings.max_per_client,
-                          kv_budget)
+                          kv_budget, compute)
     service = CompletionService(decoder, scheduler, settings)
     playground = files("specdecode.server").joinpath("static/playground.html").read_text(encoding="utf-8")
 

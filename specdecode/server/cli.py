@@ -59,10 +59,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from specdecode.compute import ComputeThread
     from specdecode.server.app import create_app
 
-    decoder = load_decoder(args)
-    app = create_app(decoder, settings)
+    compute = ComputeThread()  # loads the models and then runs the engine: OpenMP is fast from one thread only
+    decoder = compute.run(load_decoder, args)
+    app = create_app(decoder, settings, compute)
     url = f"http://{args.host}:{args.port}"
     print(f"specdecode: serving '{settings.model_name}' (method {decoder.method}) at {url}/v1 — playground: {url}/",
           file=sys.stderr)

@@ -39,12 +39,14 @@ def build(decoder_kwargs: dict, settings: ServerSettings, replicas: int, cpus: f
             import torch
 
             from specdecode.api import SpecDecoder
+            from specdecode.compute import ComputeThread
             from specdecode.server.app import create_app
 
             torch.set_num_threads(max(1, int(cpus)))  # replicas on one machine must not fight over its cores
+            compute = ComputeThread()  # the models load, and the engine runs, on one thread (compute.py)
             replica = serve.get_replica_context().replica_tag
             settings = dataclasses.replace(settings, replica=replica)
-            self.asgi = create_app(SpecDecoder.load(**decoder_kwargs), settings)
+            self.asgi = create_app(compute.run(SpecDecoder.load, **decoder_kwargs), settings, compute)
 
         def __serve_build_asgi_app__(self):
             return self.asgi

@@ -1,6 +1,7 @@
 """Many HTTP clients, one engine: continuous batching with speculation (engine.py).
 
-One worker thread owns the decoder's Engine. Each loop it admits waiting requests while the engine has room (a bound on
+One worker thread owns the decoder's Engine: the thread that loaded the models, where the server built them on a
+`ComputeThread` (compute.py: OpenMP is fast from one thread only). Each loop it admits waiting requests while the engine has room (a bound on
 running requests and on reserved KV cache slots), runs ONE engine step for every running request, and hands
 each request the text its step released. Requests join and leave between steps.
 
@@ -19,10 +20,12 @@ import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.api import text_chunk
+from specdecode.compute import ComputeThread
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.server.metrics import Metrics
@@ -88,7 +91,9 @@ class Job:
 
 class Scheduler:
     def __init__(self, decoder, metrics: Metrics, max_waiting: int, max_running: int = 16,
-                 max_per_client: int = 32, kv_budget_tokens: int | None = None) -> None:
+                 max_per_client: int = 32, kv_budget_tokens: int | None = None,
+                 compute: ComputeThread | None = None) -> None:
+        """`compute`: the thread the decoder was loaded on, which then runs the engine (None: a thread of its own)."""
         self.decoder = decoder
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -101,26 +106,29 @@ class Scheduler:
         self._per_client: Counter[str] = Counter()  # running + waiting
         self._cond = threading.Condition()
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._work, name="specdecode-engine", daemon=True)
+        self._compute = compute
+        self._worker: Future | None = None  # the engine loop, once started
         metrics.set_kv_budget(self.engine.kv_budget_tokens)
 
     def start(self) -> None:
-        self._thread.start()
+        self._compute = self._compute or ComputeThread("specdecode-engine")
+        self._worker = self._compute.submit(self._work)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Fail what is waiting, stop the running requests after the current step, and join the worker."""
         with self._cond:
             self._closing.set()
             self._cond.notify_all()
-        self._thread.join(timeout)
+        if self._worker is not None:
+            wait([self._worker], timeout)
 
     @property
     def started(self) -> bool:
-        return self._thread.ident is not None
+        return self._worker is not None
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closing.is_set()
+        return self._worker is not None and not self._worker.done() and not self._closing.is_set()
 
     def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> None:
         """Raise SpecdecodeError for a request the engine could never run (too long for the KV budget)."""
