@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -117,6 +118,15 @@ def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int
     return CostCurve(tuple(best[:max_tokens]), tuple(zip(sizes[max_tokens:], best[max_tokens:])))
 
 
+def valid(seconds: tuple[float, ...], tail: tuple[tuple[int, float], ...]) -> bool:
+    """A curve every decision can use: some sizes, every time finite and positive, never cheaper for more rows (a
+    file holding 0 or NaN would otherwise make every step's choice fail)."""
+    times = [*seconds, *(s for _, s in tail)]
+    sizes = [*range(1, len(seconds) + 1), *(m for m, _ in tail)]
+    return (bool(seconds) and all(math.isfinite(t) and t > 0 for t in times)
+            and all(a <= b for a, b in zip(times, times[1:])) and sizes == sorted(set(sizes)))
+
+
 def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None = None) -> CostCurve:
     """The cached curve for this model on this machine, measured (and saved) on first use."""
     path = curve_path(model_key, cache)
@@ -125,7 +135,7 @@ def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None 
             saved = json.loads(path.read_text())
             seconds = tuple(float(x) for x in saved["seconds"])
             tail = tuple((int(m), float(s)) for m, s in saved["batch_sizes"])
-            if seconds:
+            if valid(seconds, tail):
                 return CostCurve(seconds, tail)
         except (ValueError, KeyError, TypeError):
             pass  # a damaged file is measured again

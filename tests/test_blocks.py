@@ -107,3 +107,18 @@ def test_the_kernels_build_wherever_they_can():
 
     if {"avx2", "fma"} <= set(cpu_flags()) and (shutil.which("c++") or shutil.which("g++")):
         assert kernels is not None
+
+
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path):
+    """torch's lock file, left by a build that was killed, is removed under our lock; the lock excludes others."""
+    import fcntl
+
+    from specdecode.kernels import build_lock
+
+    (tmp_path / "lock").write_text("")  # what a killed build leaves behind
+    with build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / "build.lock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process's build waits for this one
+    with open(tmp_path / "build.lock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the build ends

@@ -1,5 +1,7 @@
 """The verify cost curve: measured, cached, extrapolated, lowered by what the engine sees."""
 
+import json
+
 import pytest
 
 from specdecode import budget
@@ -38,6 +40,12 @@ def test_measure_is_monotone_and_cached(tmp_path, monkeypatch):
     path = budget.curve_path("tiny", tmp_path)
     path.write_text("{damaged")
     assert len(budget.load_or_measure(model, "tiny", cache=tmp_path).seconds) == 4  # measured again, no crash
+    measured = len(calls)
+    for seconds in ([0.0, 0.1], [float("nan"), 0.1], [0.2, 0.1], []):  # zero, NaN, cheaper for more rows, empty
+        path.write_text(json.dumps({"seconds": seconds, "batch_sizes": []}))
+        curve = budget.load_or_measure(model, "tiny", cache=tmp_path)
+        assert budget.valid(curve.seconds, curve.tail) and len(calls) == measured + 1, seconds
+        measured += 1
 
 
 def test_batch_sizes_beyond_the_measured_run_interpolate_between_measured_points():

@@ -4,6 +4,7 @@ n-gram drafting): both endpoints streamed and not, /metrics counters, every kind
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -12,9 +13,9 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from server_thread import BackgroundServer
 from specdecode.api import SpecDecoder
 from specdecode.server.app import create_app
-from server_thread import BackgroundServer
 from specdecode.server.settings import ServerSettings
 
 SMOL = "smollm2-135m-instruct"
@@ -122,12 +123,14 @@ def test_metrics_counters_move(client, http):
 
 
 CHAT = "/v1/chat/completions"
+JSON = {"Content-Type": "application/json"}
 MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("path, body, status, words", [
     (CHAT, b'{"model": "smollm2', 400, "not valid JSON"),
     (CHAT, b'[1, 2]', 400, "JSON object"),
+    (CHAT, b'{"model": ' + b'[' * 20_000 + b']' * 20_000 + b'}', 400, "nested too deeply"),
     (CHAT, {"model": SMOL}, 400, "messages: Field required"),
     (CHAT, {"messages": MSG}, 400, "model: Field required"),
     (CHAT, {"model": SMOL, "messages": "hi"}, 400, "messages"),
@@ -146,10 +149,19 @@ MSG = [{"role": "user", "content": "hi"}]
     ("/v1/completions", {"model": SMOL, "prompt": "hi", "echo": True}, 400, "echo=true"),
 ])
 def test_bad_input_gets_a_4xx_with_an_openai_error(http, path, body, status, words):
-    r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+    r = http.post(path, content=body, headers=JSON) if isinstance(body, bytes) else http.post(path, json=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert words in error["message"] and error["type"], error
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_only_json_bodies_are_taken(http, content_type):
+    """A web page can post text/plain to a server it reaches without a CORS preflight: such bodies are refused."""
+    body = json.dumps({"model": SMOL, "messages": MSG, "max_tokens": 1})
+    r = http.post(CHAT, content=body, headers={"Content-Type": content_type} if content_type else {})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    assert http.post(CHAT, content=body, headers={"Content-Type": "application/json; charset=utf-8"}).status_code == 200
 
 
 def test_api_key_is_required_on_v1(url, client):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from specdecode.errors import SpecdecodeError
 from specdecode.sequence import Step
 from specdecode.server.app import create_app
 from specdecode.server.metrics import Metrics
-from specdecode.server.scheduler import ClientLimit, Chunk, Failure, QueueFull, Scheduler
+from specdecode.server.scheduler import ClientLimit, Chunk, Failure, QueueFull, Scheduler, ShuttingDown
 from specdecode.server.settings import ServerSettings
 from specdecode.stats import GenerationStats
 
@@ -30,6 +31,8 @@ class Tokenizer:
         return 100
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        if 123_456 in ids:
+            raise ValueError("planted decode crash")
         return "".join(f"t{i}" for i in ids)
 
 
@@ -53,6 +56,8 @@ class ScriptedEngine:
         self.permits = threading.Semaphore(0)
         self.last_step = StepInfo()
         self.threads: set[str] = set()  # the threads its steps ran on
+        self.steps_for: dict[int, int] = {}  # first prompt id -> steps of such a request (else `steps`)
+        self.step_s = 0.0  # what a step takes (a long request's events must not flood its reader)
 
     def set_limits(self, max_running: int, kv_budget_tokens: int | None = None) -> None:
         pass  # the test's own max_running stands
@@ -63,10 +68,14 @@ class ScriptedEngine:
                                   "is 30")
 
     def can_admit(self, prompt_len: int, params) -> bool:
+        if prompt_len == 7:
+            raise RuntimeError("planted bug outside any request (the scheduler's own code)")
         return len(self.running) < self.max_running
 
     def add(self, prompt, params, k=None) -> ScriptedSeq:
-        seq = ScriptedSeq(prompt, k, self.steps)
+        if prompt == [98]:
+            raise RuntimeError("planted admission crash (a cache that cannot be allocated)")
+        seq = ScriptedSeq(prompt, k, self.steps_for.get(prompt[0], self.steps))
         self.running.append(seq)
         self.started.append((prompt, k))
         return seq
@@ -80,6 +89,7 @@ class ScriptedEngine:
 
     def step(self):
         assert self.permits.acquire(timeout=10)
+        time.sleep(self.step_s)
         self.threads.add(threading.current_thread().name)
         self.batches.append([s.prompt[0] for s in self.running])
         out = []
@@ -247,6 +257,91 @@ def test_a_crashing_request_fails_alone():
     with_scheduler(decoder, body)
 
 
+def test_admission_and_text_errors_fail_their_request_alone():
+    decoder = ScriptedDecoder(steps=3)
+    decoder.allow()
+
+    async def body(scheduler):
+        bad_add, fine = scheduler.submit([98], PARAMS), scheduler.submit([5], PARAMS)
+        failure = await asyncio.wait_for(bad_add.events.get(), 10)
+        assert isinstance(failure, Failure) and failure.status == 500
+        assert (await drain(fine))[-1].finish_reason == "length"
+        decoder.batch.steps = 123_457  # its tokens count down from 123,456, which the tokenizer cannot decode
+        events = await drain(scheduler.submit([4], PARAMS))
+        assert isinstance(events[-1], Failure) and events[-1].status == 500
+        decoder.batch.steps = 3
+        assert (await drain(scheduler.submit([6], PARAMS)))[-1].finish_reason == "length"  # the worker lives on
+        assert scheduler.alive
+
+    with_scheduler(decoder, body)
+
+
+def test_a_dead_engine_loop_fails_every_request_and_says_so():
+    """A bug outside any one request ends the loop: every request gets an error it can see, new ones 503, /ready
+    and /health turn 503, and on_fatal runs (`specdecode serve` then exits non-zero for its supervisor)."""
+    decoder = ScriptedDecoder(steps=50)
+    fatal = threading.Event()
+    scheduler = Scheduler(decoder, Metrics("m", "ngram"), 8, on_fatal=fatal.set)
+    scheduler.start()
+
+    async def body():
+        running = scheduler.submit([1], PARAMS)
+        decoder.allow(1)
+        assert isinstance(await asyncio.wait_for(running.events.get(), 10), Chunk)
+        doomed = scheduler.submit([1] * 7, PARAMS)  # its admission runs the planted bug
+        decoder.allow()
+        for job in (running, doomed):
+            events = await drain(job)
+            assert isinstance(events[-1], Failure) and events[-1].status == 500
+        assert fatal.wait(10) and scheduler.failed and not scheduler.alive and not scheduler.ready
+        with pytest.raises(ShuttingDown):
+            scheduler.submit([2], PARAMS)
+
+    try:
+        asyncio.run(body())
+    finally:
+        scheduler.stop()
+
+
+def test_drain_finishes_what_runs_refuses_what_comes_and_ends_the_rest_visibly():
+    decoder = ScriptedDecoder(steps=10**9, max_running=2)
+    decoder.batch.steps_for[1] = 3  # request [1] ends in 3 steps; [2] would not end in a day
+    decoder.batch.step_s = 0.01
+    drained = threading.Event()
+
+    async def body(scheduler):
+        finishing, long = scheduler.submit([1], PARAMS), scheduler.submit([2], PARAMS)
+        threading.Thread(target=lambda: (scheduler.drain(1.0), drained.set()), daemon=True).start()
+        await asyncio.sleep(0.1)
+        assert not scheduler.ready and scheduler.alive
+        with pytest.raises(ShuttingDown):
+            scheduler.submit([3], PARAMS)
+        decoder.allow()
+        assert (await drain(finishing))[-1].finish_reason == "length"
+        events = await drain(long)  # still running when the drain's time ran out
+        assert isinstance(events[-1], Failure) and events[-1].status == 503 and "shutting down" in events[-1].message
+
+    with_scheduler(decoder, body)
+    assert drained.wait(10)
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_slot_while_tokens_flow():
+    decoder = ScriptedDecoder(steps=10**9, max_running=1)
+    decoder.batch.step_s = 0.01
+    app = create_app(decoder, ServerSettings(model_name="m", max_per_client=1))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 50}
+    with BackgroundServer(app) as url:
+        decoder.allow()  # tokens flow all the time: the client's absence must be noticed between them
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while decoder.batch.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not decoder.batch.running  # cancelled: the engine dropped it
+        decoder.batch.steps = 3
+        assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 200  # its slot is free
+
+
 def test_http_limits_keepalive_and_unknown_routes():
     decoder = ScriptedDecoder(max_running=1)
     app = create_app(decoder, ServerSettings(model_name="m", max_waiting=0, max_running=1, max_per_client=1,
@@ -267,3 +362,55 @@ def test_http_limits_keepalive_and_unknown_routes():
         assert too_big.status_code == 400 and "KV budget is 30" in too_big.json()["error"]["message"]
         missing = client.get("/v2/nothing")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def run_in_thread(server) -> tuple[threading.Thread, str]:
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    return thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
+def test_sigterm_drains_streams_to_a_visible_end_then_stops():
+    """SIGTERM (handle_exit, as uvicorn calls it): new requests get 503, a stream still running when the drain
+    time runs out ends with an error event and [DONE], and the server stops."""
+    from specdecode.server.run import build_server
+
+    decoder = ScriptedDecoder(steps=10**9)
+    decoder.batch.step_s = 0.01
+    server = build_server(create_app(decoder, ServerSettings(model_name="m")), "127.0.0.1", 0, "warning",
+                          drain_timeout=0.5)
+    thread, url = run_in_thread(server)
+    decoder.allow()
+    body = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True}
+    with httpx.Client(base_url=url, timeout=10) as client, client.stream("POST", "/v1/completions", json=body) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        assert "choices" in next(lines)
+        server.handle_exit(2, None)
+        time.sleep(0.1)
+        assert client.get("/ready").status_code == 503 and client.get("/health").status_code == 200
+        refused = client.post("/v1/completions", json=body | {"stream": False})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+        rest = list(lines)
+    assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_a_dead_engine_stops_the_server_with_a_non_zero_status():
+    from specdecode.server.run import EXIT_ENGINE_DIED, build_server
+
+    decoder = ScriptedDecoder()
+    decoder.allow()
+    app = create_app(decoder, ServerSettings(model_name="m"))
+    server = build_server(app, "127.0.0.1", 0, "warning")
+    thread, url = run_in_thread(server)
+    reply = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "1234567", "max_tokens": 5},
+                       timeout=10)  # 7 prompt tokens: admission runs the planted bug
+    assert reply.status_code == 500
+    thread.join(30)
+    assert not thread.is_alive() and app.state.scheduler.failed
+    assert EXIT_ENGINE_DIED != 0

@@ -19,13 +19,13 @@ from toy import l1_bound
 from specdecode.api import SpecDecoder
 from specdecode.cli import main
 from specdecode.config import SamplingParams
-from specdecode.methods import METHODS
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.drafters.medusa import MedusaDrafter, static_tree
 from specdecode.drafters.none import NoDrafter
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
+from specdecode.methods import METHODS
 from specdecode.training import features as feature_cache
 from specdecode.training.data import Example, expand, read_examples
 
@@ -419,3 +419,29 @@ def test_function_prompts_ask_to_complete_each_documented_function(tmp_path: Pat
     assert "return a + b" in add["response"]
     assert twice["prompt"].count("@staticmethod\ndef twice(x):") == 1  # decorated, dedented
     assert "y = 2 * x" in twice["response"]
+
+
+def test_the_answers_log_is_repaired_by_truncation_and_bad_lines_are_skipped(tmp_path: Path, capsys) -> None:
+    from specdecode.training.regenerate import _read_log
+
+    log = tmp_path / "answers.jsonl"
+    good = '{"key": "a", "answer": [1]}\n{"key": "b", "answer": [2, 3]}\n'
+    log.write_text(good[:28] + "not json\n" + good[28:] + '{"key": "c", "answ')
+    inode = log.stat().st_ino
+    assert _read_log(log) == {"a": [1], "b": [2, 3]}
+    assert log.read_text() == good[:28] + "not json\n" + good[28:]  # only the torn line went, in place
+    assert log.stat().st_ino == inode and "is not an answer record" in capsys.readouterr().err
+
+
+def test_a_trained_folder_is_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
+    from specdecode.drafters import store
+
+    target = tiny_native("qwen2", seed=0)
+    out = tmp_path / "head"
+    store.save(out, "medusa", {"v": 1}, {"w": torch.zeros(2)}, target, "t")
+    with pytest.raises(Exception):  # an interrupt while writing: here, a tensor that cannot be written
+        store.save(out, "medusa", {"v": 2}, {"w": "not a tensor"}, target, "t")
+    assert json.loads((out / store.CONFIG).read_text())["config"] == {"v": 1}  # the old folder, whole
+    store.save(out, "medusa", {"v": 3}, {"w": torch.ones(2)}, target, "t")
+    assert json.loads((out / store.CONFIG).read_text())["config"] == {"v": 3}
+    assert [p.name for p in tmp_path.iterdir()] == ["head"]  # nothing staged is left behind

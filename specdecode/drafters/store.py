@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,11 +40,24 @@ def target_fingerprint(target: torch.nn.Module) -> str:
 
 def save(out: Path, kind: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], target: torch.nn.Module,
          target_name: str, extra: dict[str, Any] | None = None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    """Write the folder whole under a name of this process's own, then put it in place: an interrupted run leaves
+    the folder as it was, never weights and a config that do not match."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
     meta = {"kind": kind, "target": target_name, "target_fingerprint": target_fingerprint(target),
             "config": config, **(extra or {})}
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / WEIGHTS))
-    (out / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(staging / WEIGHTS))
+    (staging / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    if out.exists():
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
+        os.replace(out, old)
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, out)
 
 
 def read_meta(folder: str | Path, kind: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ kernels, which are correct but neither flat in the number of tokens nor batch-in
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -18,6 +19,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -81,10 +83,25 @@ def cpu_kernels() -> ModuleType | None:
     if not any(build.glob("*.so")):
         print("specdecode: building the native CPU kernels for this machine (once, about a minute)...", file=sys.stderr)
     try:
-        return cpp_extension.load(
-            name=f"specdecode_cpu_kernels_{key}", sources=[str(path) for path in SOURCES], build_directory=str(build),
-            extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
-        )  # fmt: skip
+        with build_lock(build):
+            return cpp_extension.load(
+                name=f"specdecode_cpu_kernels_{key}", sources=[str(path) for path in SOURCES],
+                build_directory=str(build), extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
+            )  # fmt: skip
     except Exception as error:  # a missing compiler or headers must not stop generation: fall back, loudly
         log.warning("specdecode: native CPU kernel unavailable (%s); using PyTorch's kernels", error)
         return None
+
+
+@contextlib.contextmanager
+def build_lock(build: Path) -> Iterator[None]:
+    """One build at a time in `build`, under a lock the system drops when its holder dies. torch's own lock is a
+    file that a killed build leaves behind, and every later start then waits on it forever: held this lock, no
+    other build is alive, so such a file is stale and goes."""
+    with open(build / "build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

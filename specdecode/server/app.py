@@ -3,8 +3,9 @@
     app = create_app(SpecDecoder.load(...), ServerSettings(model_name="smollm2-135m-instruct"))
     uvicorn.run(app)
 
-Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /health,
-GET /metrics (Prometheus), GET / (the playground page). With an API key, /v1/* needs the bearer token; /health,
+Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /health (the
+engine runs), GET /ready (and takes requests: 503 while draining), GET /metrics (Prometheus), GET / (the
+playground page). With an API key, /v1/* needs the bearer token; /health,
 /metrics and the page itself do not (the page asks for the key and sends it with its own requests).
 """
 
@@ -14,7 +15,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib.resources import files
 
@@ -39,11 +40,13 @@ log = logging.getLogger("specdecode.server")
 
 def create_app(decoder, settings: ServerSettings, compute: ComputeThread | None = None) -> FastAPI:
     """`compute`: the thread `decoder` was loaded on, where the engine then runs (compute.py says why it matters;
-    None: a thread of the server's own)."""
+    None: a thread of the server's own). `app.state.on_fatal` holds what to call if the engine loop dies
+    (`specdecode serve` stops the process)."""
+    on_fatal: list[Callable[[], None]] = []
     metrics = Metrics(settings.model_name, decoder.method, settings.replica)
     kv_budget = kv_budget_tokens(decoder.engine.target, settings.kv_cache_gib)
     scheduler = Scheduler(decoder, metrics, settings.max_waiting, settings.max_running, settings.max_per_client,
-                          kv_budget, compute)
+                          kv_budget, compute, lambda: [hook() for hook in on_fatal])
     service = CompletionService(decoder, scheduler, settings)
     playground = files("specdecode.server").joinpath("static/playground.html").read_text(encoding="utf-8")
 
@@ -58,7 +61,7 @@ def create_app(decoder, settings: ServerSettings, compute: ComputeThread | None 
     install_openapi(app, settings.model_name, bool(settings.api_key),
                     {"vocab_size": len(decoder.tokenizer), "max_len": decoder.engine.max_len,
                      "max_draft_tokens": settings.max_draft_tokens})
-    app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.state.scheduler, app.state.metrics, app.state.on_fatal = scheduler, metrics, on_fatal
     if settings.replica:
         app.add_middleware(ReplicaHeader, replica=settings.replica)
     _add_error_handlers(app, metrics)
@@ -92,6 +95,14 @@ def create_app(decoder, settings: ServerSettings, compute: ComputeThread | None 
         if settings.replica:
             body["replica"] = settings.replica
         return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/ready", response_model=Health, responses={503: {"model": Health,
+                                                               "description": "Draining or engine stopped"}})
+    async def ready() -> Response:
+        ok = scheduler.ready
+        body = {"status": "ok" if ok else "draining" if scheduler.alive else "engine stopped",
+                "model": settings.model_name}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=Response, responses={
         200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})

@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="join an existing Ray cluster (e.g. 'auto' on a node where `ray start` ran); implies Ray")
     p.add_argument("--replica-cpus", type=float, default=None,
                    help="CPUs per replica (default: this machine's cores split between the replicas)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: seconds the requests in flight may take to finish; new ones get 503 "
+                        "(default 30; a second signal stops at once)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -44,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise SpecdecodeError(f"--replicas must be >= 1, got {args.replicas}")
+    if not args.drain_timeout >= 0:
+        raise SpecdecodeError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     settings = ServerSettings(model_name=args.served_model_name or args.target, api_key=args.api_key or None,
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                               max_running=args.max_running, max_per_client=args.max_per_client,
@@ -57,10 +62,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return ray_app.serve_forever(decoder_kwargs(args), settings, args.replicas, args.host, args.port,
                                      args.ray_address, args.replica_cpus)
 
-    import uvicorn
-
     from specdecode.compute import ComputeThread
     from specdecode.server.app import create_app
+    from specdecode.server.run import serve
 
     compute = ComputeThread()  # loads the models and then runs the engine: OpenMP is fast from one thread only
     decoder = compute.run(load_decoder, args)
@@ -68,8 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     print(f"specdecode: serving '{settings.model_name}' (method {decoder.method}) at {url}/v1 — playground: {url}/",
           file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    return serve(app, args.host, args.port, args.log_level, args.drain_timeout)
 
 
 def _is_loopback(host: str) -> bool:

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,13 @@ class ClientLimit(Exception):
     pass
 
 
+class ShuttingDown(Exception):
+    pass
+
+
+INTERNAL = "internal server error (see the server log)"
+
+
 @dataclass(eq=False)
 class Job:
     prompt_ids: list[int]
@@ -92,8 +100,10 @@ class Job:
 class Scheduler:
     def __init__(self, decoder, metrics: Metrics, max_waiting: int, max_running: int = 16,
                  max_per_client: int = 32, kv_budget_tokens: int | None = None,
-                 compute: ComputeThread | None = None) -> None:
-        """`compute`: the thread the decoder was loaded on, which then runs the engine (None: a thread of its own)."""
+                 compute: ComputeThread | None = None, on_fatal: Callable[[], None] | None = None) -> None:
+        """`compute`: the thread the decoder was loaded on, which then runs the engine (None: a thread of its own).
+        `on_fatal`: called once if the engine loop dies (`specdecode serve` then exits non-zero, for a supervisor
+        to restart it)."""
         self.decoder = decoder
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -106,6 +116,9 @@ class Scheduler:
         self._per_client: Counter[str] = Counter()  # running + waiting
         self._cond = threading.Condition()
         self._closing = threading.Event()
+        self._draining = threading.Event()  # no new requests: the server is about to stop
+        self._on_fatal = on_fatal
+        self.failed = False  # the engine loop died of an error outside any one request
         self._compute = compute
         self._worker: Future | None = None  # the engine loop, once started
         metrics.set_kv_budget(self.engine.kv_budget_tokens)
@@ -130,6 +143,21 @@ class Scheduler:
     def alive(self) -> bool:
         return self._worker is not None and not self._worker.done() and not self._closing.is_set()
 
+    @property
+    def ready(self) -> bool:
+        """Alive and taking new requests (not draining)."""
+        return self.alive and not self._draining.is_set()
+
+    def drain(self, timeout: float) -> None:
+        """Stop taking requests and wait up to `timeout` seconds for those queued or running to finish; then stop
+        (the rest end with a 503 error their clients see). Call from any thread but the engine's."""
+        self._draining.set()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (self._waiting or self._running) and self.alive and time.monotonic() < deadline:
+                self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+        self.stop()
+
     def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> None:
         """Raise SpecdecodeError for a request the engine could never run (too long for the KV budget)."""
         self.engine.check(prompt_ids, params, num_draft_tokens)
@@ -141,6 +169,8 @@ class Scheduler:
         with self._cond:
             if self._per_client[client] >= self.max_per_client:
                 raise ClientLimit
+            if self._draining.is_set() or not self.alive and self.started:
+                raise ShuttingDown
             if self._closing.is_set() or len(self._waiting) >= self.max_waiting + self._free_slots():
                 raise QueueFull
             job = Job(prompt_ids, params, num_draft_tokens, asyncio.get_running_loop(), client)
@@ -158,20 +188,28 @@ class Scheduler:
 
     def _work(self) -> None:
         try:
-            while True:
-                with self._cond:
-                    while not self._closing.is_set() and not self._waiting and not self._running:
-                        self._cond.wait()
-                    if self._closing.is_set():
-                        break
-                    admitted = self._admit()
-                for job in admitted:
-                    self.metrics.queue_time.observe(time.perf_counter() - job.arrived)
-                self._drop_cancelled()
-                if self._running:
-                    self._step()
+            self._loop()
+        except BaseException:  # noqa: BLE001 - a bug outside any one request: fail everyone, then say so
+            log.exception("the engine loop died; the server stops (a supervisor should restart it)")
+            self.failed = True
         finally:
             self._shut_down()
+        if self.failed and self._on_fatal is not None:
+            self._on_fatal()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing.is_set() and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._closing.is_set():
+                    break
+                admitted = self._admit()
+            for job in admitted:
+                self.metrics.queue_time.observe(time.perf_counter() - job.arrived)
+            self._drop_cancelled()
+            if self._running:
+                self._step()
 
     def _admit(self) -> list[Job]:
         """Move waiting jobs into the batch, fairest first, while the engine has room (lock held)."""
@@ -187,10 +225,16 @@ class Scheduler:
             self._waiting.remove(job)
             try:
                 job.seq = self.engine.add(job.prompt_ids, job.params, job.num_draft_tokens)
+                job.text = TextStream(self.decoder.tokenizer, job.params.stop)
             except SpecdecodeError as e:
                 self._end(job, Failure(400, str(e)), "error")
                 continue
-            job.text = TextStream(self.decoder.tokenizer, job.params.stop)
+            except Exception:  # noqa: BLE001 - this request's admission failed (a cache, a drafter): it alone
+                log.exception("admitting a request failed")
+                if job.seq is not None:
+                    self.engine.remove(job.seq)
+                self._end(job, Failure(500, INTERNAL), "error")
+                continue
             self._running.append(job)
             admitted.append(job)
         self.metrics.waiting.set(len(self._waiting))
@@ -215,7 +259,7 @@ class Scheduler:
             log.exception("engine step failed")
             for job in list(self._running):
                 self.engine.remove(job.seq)
-                self._end(job, Failure(500, "internal server error (see the server log)"), "error")
+                self._end(job, Failure(500, INTERNAL), "error")
             return
         self.metrics.record_step(self.engine.last_step, len(self._running), self.engine.kv_reserved)
         jobs = {id(j.seq): j for j in self._running}
@@ -229,19 +273,28 @@ class Scheduler:
                     failure = Failure(400, str(outcome))
                 else:
                     log.error("request failed", exc_info=outcome)
-                    failure = Failure(500, "internal server error (see the server log)")
+                    failure = Failure(500, INTERNAL)
                 self._end(job, failure, "error")
                 continue
-            chunk = text_chunk(job.text, outcome)
-            if job.text.stopped:  # a stop string ends it here, not in the engine
-                self.engine.stop(seq, len(outcome.tokens) - len(chunk.token_ids))
-            job.first_token_at = job.first_token_at or time.perf_counter()
-            event = Chunk(chunk.pieces, chunk.token_ids, chunk.from_draft, chunk.finish_reason, seq.stats.to_dict())
-            if chunk.finish_reason is None:
-                job.emit(event)
-            else:
+            try:
+                self._deliver(job, seq, outcome)
+            except Exception:  # noqa: BLE001 - its text failed (a tokenizer's decode): this request alone
+                log.exception("turning a step into text failed")
                 self.engine.remove(seq)
-                self._end(job, event, chunk.finish_reason)
+                self._end(job, Failure(500, INTERNAL), "error")
+
+    def _deliver(self, job: Job, seq, step) -> None:
+        """A step's tokens -> the text they release, to the job's client; a stop string ends the request here."""
+        chunk = text_chunk(job.text, step)
+        if job.text.stopped:
+            self.engine.stop(seq, len(step.tokens) - len(chunk.token_ids))
+        job.first_token_at = job.first_token_at or time.perf_counter()
+        event = Chunk(chunk.pieces, chunk.token_ids, chunk.from_draft, chunk.finish_reason, seq.stats.to_dict())
+        if chunk.finish_reason is None:
+            job.emit(event)
+        else:
+            self.engine.remove(seq)
+            self._end(job, event, chunk.finish_reason)
 
     def _end(self, job: Job, last: Chunk | Failure | None, reason: str) -> None:
         """The job leaves: metrics first, so a client that scrapes /metrics after its answer sees its request."""
@@ -255,13 +308,17 @@ class Scheduler:
         self.metrics.running.set(len(self._running))
         if last is not None:
             job.emit(last)
+        with self._cond:
+            self._cond.notify_all()  # a drain may be waiting for the last one
 
     def _shut_down(self) -> None:
         with self._cond:
             waiting, self._waiting = self._waiting, []
+            self._closing.set()  # nothing more is queued behind a loop that has ended
+        message = INTERNAL if self.failed else "the server is shutting down"
         for job in waiting + list(self._running):
             if job.seq is not None:
                 self.engine.remove(job.seq)
             if job in self._running:
                 self._running.remove(job)
-            job.emit(Failure(503, "the server is shutting down"))
+            job.emit(Failure(500 if self.failed else 503, message))

@@ -141,6 +141,8 @@ def parse_request(raw: bytes, model_cls: type[SamplingFields]) -> SamplingFields
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     body = _drop_neutral(body)

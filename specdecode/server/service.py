@@ -8,6 +8,7 @@ context window, token ids in range, queue room.
 from __future__ import annotations
 
 import asyncio
+import json
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -18,9 +19,11 @@ from specdecode.planner import Planner
 from specdecode.server.errors import ApiError
 from specdecode.server.formats import Meta, completion, usage
 from specdecode.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_request, sampling_params
-from specdecode.server.scheduler import ClientLimit, QueueFull, Scheduler
+from specdecode.server.scheduler import ClientLimit, QueueFull, Scheduler, ShuttingDown
 from specdecode.server.settings import ServerSettings
 from specdecode.server.streams import JobStream, collect
+
+MAX_CHARS_PER_TOKEN = 32  # a prompt longer than the window times this cannot fit; a token is rarely over 10 chars
 
 
 class CompletionService:
@@ -32,6 +35,7 @@ class CompletionService:
         self.vocab_size = len(decoder.tokenizer)
 
     async def handle(self, request: Request, chat: bool) -> Response:
+        check_json_content_type(request)
         raw = await read_body(request, self.settings.max_body_bytes)
         req = parse_request(raw, ChatRequest if chat else CompletionRequest)
         if req.model != self.settings.model_name:
@@ -54,6 +58,9 @@ class CompletionService:
         except QueueFull:
             raise ApiError(503, f"the server is busy ({self.settings.max_waiting} requests already waiting): "
                                 "retry shortly", code="server_busy", headers={"Retry-After": "1"}) from None
+        except ShuttingDown:
+            raise ApiError(503, "the server is shutting down: retry on another replica or shortly",
+                           code="server_shutting_down", headers={"Retry-After": "1"}) from None
         except ClientLimit:
             raise ApiError(429, f"too many requests from this client: at most {self.settings.max_per_client} at "
                                 "once (running and waiting); retry when one has finished", code="rate_limit_exceeded",
@@ -75,6 +82,11 @@ class CompletionService:
 
     async def _encode(self, req: SamplingFields, chat: bool) -> list[int]:
         prompt = req.message_dicts() if chat else req.single_prompt()
+        chars = len(json.dumps(prompt)) if not isinstance(prompt, str) else len(prompt)
+        if chars > self.max_len * MAX_CHARS_PER_TOKEN:  # cannot fit: refused before the tokenizer spends on it
+            raise ApiError(400, f"the prompt has {chars} characters, more than a context window of {self.max_len} "
+                                "tokens can hold: shorten the prompt", "messages" if chat else "prompt",
+                           "context_length_exceeded")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
@@ -95,6 +107,15 @@ class CompletionService:
         if k is not None and k > limit:
             raise ApiError(400, f"num_draft_tokens must be <= {limit}, got {k}", "num_draft_tokens")
         return Planner.served_size(k, self.scheduler.default_num_draft_tokens, params)
+
+
+def check_json_content_type(request: Request) -> None:
+    """Only JSON bodies: a web page may post `text/plain` to a server it can reach without asking first (no CORS
+    preflight for it); `application/json` needs the server's consent."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(415, f"the request body must be JSON, sent with 'Content-Type: application/json' (got "
+                            f"'{kind or 'none'}')", code="unsupported_media_type")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -1,14 +1,15 @@
 """A queued Job's events -> an HTTP answer: server-sent events, or one JSON body once generation ends.
 
 Either way the job is cancelled when the answer is abandoned: a streaming response cancels it when it ends for
-any reason (done, client gone, server stopping), and a waiting non-streaming request polls for its client.
+any reason (done, client gone, server stopping), and a non-streaming request asks after its client every
+DISCONNECT_POLL_S while it waits.
 """
 
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,14 +81,20 @@ async def sse_events(job: Job, meta: Meta, make_usage: UsageFn, include_usage: b
 
 
 async def collect(job: Job, request: Request) -> Finished | None:
-    """Wait for the whole generation -> Finished, or None when the client disconnected first."""
+    """Wait for the whole generation -> Finished, or None when the client disconnected first. Whether the client
+    is still there is asked every DISCONNECT_POLL_S, tokens flowing or not: a client that left mid-answer frees its
+    slot and its cache within a step or so."""
     pieces: list[str] = []
+    asked = asyncio.get_running_loop().time()
     try:
         async with aclosing(job_events(job, DISCONNECT_POLL_S)) as events:
             async for event in events:
-                if event is None:
+                now = asyncio.get_running_loop().time()
+                if event is None or now - asked >= DISCONNECT_POLL_S:
+                    asked = now
                     if await request.is_disconnected():
                         return None
+                if event is None:
                     continue
                 if isinstance(event, Failure):
                     raise ApiError(event.status, event.message)

@@ -161,12 +161,12 @@ def _example_rows(target: torch.nn.Module, example: Example, layers: tuple[int, 
 
 def _write_shard(path: Path, rows: list[dict[str, torch.Tensor]]) -> None:
     tensors = {key: torch.cat([r[key] for r in rows]).contiguous() for key in rows[0]}
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a name no other run writes to
     save_file(tensors, str(tmp))
     os.replace(tmp, path)
 
 
 def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(value, indent=1) + "\n")
     os.replace(tmp, path)

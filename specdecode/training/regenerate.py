@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -78,13 +80,20 @@ def _answered(ex: Example, prompt: list[int], answer: list[int]) -> Example:
 
 
 def _read_log(log: Path) -> dict[str, list[int]]:
-    """The answers written so far, by prompt and budget; a line cut short by an interrupt is dropped (and cut off
-    the file, so the next answer starts on a line of its own)."""
+    """The answers written so far, by prompt and budget. A line cut short by an interrupt is cut off the file (a
+    truncation: the answers before it stay where they are, whatever interrupts this), so the next answer starts on
+    a line of its own; a line that does not parse is skipped with a warning."""
     if not log.is_file():
         return {}
-    text = log.read_text()
-    whole = text[: text.rfind("\n") + 1]
-    if whole != text:
-        log.write_text(whole)
-    records = (json.loads(line) for line in whole.splitlines())
-    return {r["key"]: r["answer"] for r in records}
+    data = log.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end != len(data):
+        os.truncate(log, end)
+    answers = {}
+    for number, line in enumerate(data[:end].decode(errors="replace").splitlines(), start=1):
+        try:
+            record = json.loads(line)
+            answers[record["key"]] = record["answer"]
+        except (ValueError, KeyError, TypeError):
+            print(f"warning: {log}:{number} is not an answer record; skipped", file=sys.stderr)
+    return answers
