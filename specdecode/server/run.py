@@ -2,14 +2,14 @@
 
 - SIGTERM or Ctrl-C drains: no new requests (503, /ready says so), the ones in flight finish for up to
   `drain_timeout` seconds, the rest end with an error their clients see (an SSE error event and `[DONE]`, or a
-  JSON error), and only then does uvicorn close its connections. A second signal stops at once.
+  JSON error), and only then does uvicorn close its connections and stop the process as that signal does. A
+  second signal stops at once.
 - A dead engine stops the process with a non-zero status, after failing what it could, so that a supervisor
   (systemd, Kubernetes, Ray Serve) restarts it instead of leaving a server that accepts and never answers.
 """
 
 from __future__ import annotations
 
-import signal
 import threading
 from types import FrameType
 
@@ -45,7 +45,9 @@ def build_server(app: FastAPI, host: str, port: int, log_level: str = "info",
     """The uvicorn server for `app` (from create_app), draining on signals and stopping if the engine dies."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.state.scheduler, drain_timeout)
-    app.state.on_fatal.append(lambda: server.handle_exit(signal.SIGTERM, None))
+    # Not handle_exit: uvicorn re-raises the signals it handled when it stops, and a process killed by SIGTERM
+    # reads as a clean stop to a supervisor; this one must read as a failure (EXIT_ENGINE_DIED).
+    app.state.on_fatal.append(lambda: setattr(server, "should_exit", True))
     return server
 
 
