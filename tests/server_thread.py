@@ -17,7 +17,7 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
         # port 0: the OS picks a free port, read back once the socket is bound.
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, proxy_headers=False)  # as `specdecode serve` runs it
         self.server = uvicorn.Server(config)
         self.host = host
         self._thread = threading.Thread(target=self.server.run, name="specdecode-http", daemon=True)

@@ -12,8 +12,6 @@ playground page). With an API key, /v1/* needs the bearer token; /health,
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,9 +20,12 @@ from importlib.resources import files
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from specdecode.compute import ComputeThread
 from specdecode.engine import kv_budget_tokens
+from specdecode.server.access import REQUEST_ID, RequestIds, bearer_check
 from specdecode.server.errors import ApiError, error_body, error_response
 from specdecode.server.metrics import Metrics
 from specdecode.server.openapi import (
@@ -46,7 +47,7 @@ def create_app(decoder, settings: ServerSettings, compute: ComputeThread | None 
     metrics = Metrics(settings.model_name, decoder.method, settings.replica)
     kv_budget = kv_budget_tokens(decoder.engine.target, settings.kv_cache_gib)
     scheduler = Scheduler(decoder, metrics, settings.max_waiting, settings.max_running, settings.max_per_client,
-                          kv_budget, compute, lambda: [hook() for hook in on_fatal])
+                          kv_budget, compute, lambda: [hook() for hook in on_fatal], settings.request_timeout_s)
     service = CompletionService(decoder, scheduler, settings)
     playground = files("specdecode.server").joinpath("static/playground.html").read_text(encoding="utf-8")
 
@@ -57,16 +58,24 @@ def create_app(decoder, settings: ServerSettings, compute: ComputeThread | None 
         await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None)
-    auth = (401,) if settings.api_key else ()
-    install_openapi(app, settings.model_name, bool(settings.api_key),
+    keys = settings.keys
+    auth = (401,) if keys else ()
+    install_openapi(app, settings.model_name, bool(keys),
                     {"vocab_size": len(decoder.tokenizer), "max_len": decoder.engine.max_len,
                      "max_draft_tokens": settings.max_draft_tokens})
     app.state.scheduler, app.state.metrics, app.state.on_fatal = scheduler, metrics, on_fatal
     if settings.replica:
         app.add_middleware(ReplicaHeader, replica=settings.replica)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"])
+    if settings.allowed_hosts != ("*",):  # a web page of another name reaching a loopback server: DNS rebinding
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts))
+    app.add_middleware(RequestIds)  # outermost: every answer carries its id, refusals included
     _add_error_handlers(app, metrics)
 
-    api = APIRouter(prefix="/v1", dependencies=[Depends(bearer_check(settings.api_key))])
+    check_key = Depends(bearer_check(keys))
+    api = APIRouter(prefix="/v1", dependencies=[check_key])
 
     @api.post("/completions", responses=sse_and_json(CompletionResponse) | errors(*POST_RESPONSES, *auth))
     async def completions(request: Request) -> Response:
@@ -104,8 +113,10 @@ def create_app(decoder, settings: ServerSettings, compute: ComputeThread | None 
                 "model": settings.model_name}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics", response_class=Response, responses={
-        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    @app.get("/metrics", response_class=Response, dependencies=[check_key] if settings.protect_metrics else [],
+             responses={200: {"description": "Prometheus text format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}} | (
+                 errors(401) if settings.protect_metrics and keys else {}))
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -121,24 +132,7 @@ def model_card(decoder, scheduler: Scheduler, settings: ServerSettings) -> dict:
             "max_model_len": decoder.engine.max_len,
             "specdecode": {"method": decoder.method, "num_draft_tokens": scheduler.default_num_draft_tokens,
                            "max_draft_tokens": settings.max_draft_tokens,
-                           "auth_required": settings.api_key is not None}}
-
-
-def bearer_check(api_key: str | None):
-    """A dependency that demands `Authorization: Bearer <api_key>` (no-op without a key)."""
-    # Digests of equal length, compared in constant time: neither the key nor its length leaks through timing.
-    expected = hashlib.sha256(api_key.encode()).digest() if api_key else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        key_ok = hmac.compare_digest(hashlib.sha256(token.strip().encode()).digest(), expected)
-        if scheme.lower() != "bearer" or not key_ok:
-            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    return check
+                           "auth_required": bool(settings.keys)}}
 
 
 def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
@@ -155,7 +149,7 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(Exception)
     async def crash(request: Request, err: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        log.exception("unhandled error on %s %s (request %s)", request.method, request.url.path, REQUEST_ID.get())
         metrics.record_rejected(500)
         return JSONResponse(error_body(500, "internal server error (see the server log)"), status_code=500)
 

@@ -10,6 +10,7 @@ import sys
 
 from specdecode.cli_args import add_model_args, decoder_kwargs, load_decoder
 from specdecode.errors import SpecdecodeError
+from specdecode.server.access import read_key_file
 from specdecode.server.settings import ServerSettings
 
 
@@ -20,6 +21,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, else none)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="more accepted keys, one per line (# comments); fairness and limits then count per key")
+    p.add_argument("--protect-metrics", action="store_true", help="/metrics needs an API key too")
+    p.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
+                   help="Host headers to answer (others get 400: a web page under another name cannot reach the "
+                        "server through DNS rebinding); default: localhost and the loopback addresses when "
+                        "listening on loopback, else any")
+    p.add_argument("--allowed-origins", default="", metavar="O1,O2",
+                   help="web origins (https://app.example) whose pages may call the API from a browser (CORS); "
+                        "default none")
+    p.add_argument("--trust-forwarded-for", default="", metavar="IP1,IP2",
+                   help="proxies whose X-Forwarded-For header names the client (fairness, per-client limits)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a request not done this long after it arrived ends with 504 (default: none)")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="open connections at most; more are answered 503 at once (default 256)")
     p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --target)")
     p.add_argument("--max-running", type=int, default=16,
                    help="requests batched together (one target forward per step serves them all; default 16)")
@@ -50,10 +69,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.drain_timeout >= 0:
         raise SpecdecodeError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     settings = ServerSettings(model_name=args.served_model_name or args.target, api_key=args.api_key or None,
+                              api_keys=read_key_file(args.api_key_file) if args.api_key_file else (),
+                              protect_metrics=args.protect_metrics, allowed_hosts=allowed_hosts(args),
+                              allowed_origins=_split(args.allowed_origins),
+                              trusted_proxies=_split(args.trust_forwarded_for),
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                               max_running=args.max_running, max_per_client=args.max_per_client,
-                              kv_cache_gib=args.kv_cache_gib)
-    if not settings.api_key and not _is_loopback(args.host):
+                              kv_cache_gib=args.kv_cache_gib, request_timeout_s=args.request_timeout)
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise SpecdecodeError("--ssl-certfile and --ssl-keyfile go together")
+    if args.max_connections < 1:
+        raise SpecdecodeError(f"--max-connections must be >= 1, got {args.max_connections}")
+    if not settings.keys and not _is_loopback(args.host):
         print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach this port "
               "can use the model", file=sys.stderr)
     if args.replicas > 1 or args.ray_address:
@@ -69,10 +96,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     compute = ComputeThread()  # loads the models and then runs the engine: OpenMP is fast from one thread only
     decoder = compute.run(load_decoder, args)
     app = create_app(decoder, settings, compute)
-    url = f"http://{args.host}:{args.port}"
+    url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
     print(f"specdecode: serving '{settings.model_name}' (method {decoder.method}) at {url}/v1 — playground: {url}/",
           file=sys.stderr)
-    return serve(app, args.host, args.port, args.log_level, args.drain_timeout)
+    return serve(app, args.host, args.port, args.log_level, args.drain_timeout,
+                 dict(ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                      limit_concurrency=args.max_connections))
+
+
+def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:
+    """The Host headers to answer: as given, else this machine's loopback names when listening on loopback."""
+    if args.allowed_hosts:
+        return _split(args.allowed_hosts)
+    return LOOPBACK_NAMES if _is_loopback(args.host) else ("*",)
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _is_loopback(host: str) -> bool:

@@ -34,7 +34,7 @@ class Metrics:
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(**labels)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(**labels)
-        self._finished = counter("request_success", "Finished requests by reason (stop, length, abort, error).",
+        self._finished = counter("request_success", "Finished requests by reason (stop, length, abort, error, timeout).",
                                  ("finished_reason",))
         self._rejected = counter("request_rejected", "Requests refused before generation, by HTTP status.",
                                  ("status",))

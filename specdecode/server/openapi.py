@@ -88,9 +88,10 @@ class Health(BaseModel):
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     reasons = {400: "Malformed request: the message names every bad field", 401: "Missing or wrong API key",
                404: "Unknown model or route", 413: "Request body too large",
-               415: "The body is not sent as application/json",
+               408: "The request body did not arrive in time", 415: "The body is not sent as application/json",
                429: "Too many requests from this client (see Retry-After)",
-               503: "Busy or shutting down (see Retry-After)"}
+               503: "Busy or shutting down (see Retry-After)",
+               504: "The request did not finish within the server's --request-timeout"}
     return {status: {"description": reasons[status], "model": ErrorResponse} for status in statuses}
 
 
@@ -106,7 +107,7 @@ def sse_and_json(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
                   "model": model, "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
-POST_RESPONSES = {400, 404, 413, 415, 429, 503}
+POST_RESPONSES = {400, 404, 408, 413, 415, 429, 503, 504}
 
 
 def install(app: FastAPI, model_name: str, auth: bool, limits: dict[str, int]) -> None:

@@ -40,10 +40,14 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, None)
 
 
-def build_server(app: FastAPI, host: str, port: int, log_level: str = "info",
-                 drain_timeout: float = 30.0) -> DrainingServer:
-    """The uvicorn server for `app` (from create_app), draining on signals and stopping if the engine dies."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+def build_server(app: FastAPI, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0,
+                 options: dict | None = None) -> DrainingServer:
+    """The uvicorn server for `app` (from create_app), draining on signals and stopping if the engine dies.
+    `options`: more of uvicorn.Config's (TLS files, the connection cap)."""
+    # proxy_headers off: uvicorn would take X-Forwarded-For from any loopback peer, so a local client could pose
+    # as anyone; which proxies to believe is --trust-forwarded-for's to say (server/access.py).
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            proxy_headers=False, **(options or {}))
     server = DrainingServer(config, app.state.scheduler, drain_timeout)
     # Not handle_exit: uvicorn re-raises the signals it handled when it stops, and a process killed by SIGTERM
     # reads as a clean stop to a supervisor; this one must read as a failure (EXIT_ENGINE_DIED).
@@ -51,8 +55,8 @@ def build_server(app: FastAPI, host: str, port: int, log_level: str = "info",
     return server
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str, drain_timeout: float) -> int:
+def serve(app: FastAPI, host: str, port: int, log_level: str, drain_timeout: float, options: dict | None = None) -> int:
     """Serve until a signal (drained) or the engine's death -> the process's exit status."""
-    server = build_server(app, host, port, log_level, drain_timeout)
+    server = build_server(app, host, port, log_level, drain_timeout, options)
     server.run()
     return EXIT_ENGINE_DIED if server.scheduler.failed else 0

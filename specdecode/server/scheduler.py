@@ -100,7 +100,8 @@ class Job:
 class Scheduler:
     def __init__(self, decoder, metrics: Metrics, max_waiting: int, max_running: int = 16,
                  max_per_client: int = 32, kv_budget_tokens: int | None = None,
-                 compute: ComputeThread | None = None, on_fatal: Callable[[], None] | None = None) -> None:
+                 compute: ComputeThread | None = None, on_fatal: Callable[[], None] | None = None,
+                 request_timeout_s: float | None = None) -> None:
         """`compute`: the thread the decoder was loaded on, which then runs the engine (None: a thread of its own).
         `on_fatal`: called once if the engine loop dies (`specdecode serve` then exits non-zero, for a supervisor
         to restart it)."""
@@ -118,6 +119,7 @@ class Scheduler:
         self._closing = threading.Event()
         self._draining = threading.Event()  # no new requests: the server is about to stop
         self._on_fatal = on_fatal
+        self.request_timeout_s = request_timeout_s  # None: no deadline
         self.failed = False  # the engine loop died of an error outside any one request
         self._compute = compute
         self._worker: Future | None = None  # the engine loop, once started
@@ -251,6 +253,17 @@ class Scheduler:
         for job in [j for j in self._running if j.cancelled]:
             self.engine.remove(job.seq)
             self._end(job, None, "abort")
+        if self.request_timeout_s is None:
+            return
+        deadline = time.perf_counter() - self.request_timeout_s
+        with self._cond:
+            late = [j for j in self._waiting if j.arrived < deadline]
+            self._waiting = [j for j in self._waiting if j.arrived >= deadline]
+        for job in late + [j for j in self._running if j.arrived < deadline]:
+            if job.seq is not None:
+                self.engine.remove(job.seq)
+            self._end(job, Failure(504, f"the request did not finish within {self.request_timeout_s:g} s (the "
+                                        "server's --request-timeout)"), "timeout")
 
     def _step(self) -> None:
         try:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.planner import Planner
+from specdecode.server.access import client_of
 from specdecode.server.errors import ApiError
 from specdecode.server.formats import Meta, completion, usage
 from specdecode.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_request, sampling_params
@@ -36,7 +37,7 @@ class CompletionService:
 
     async def handle(self, request: Request, chat: bool) -> Response:
         check_json_content_type(request)
-        raw = await read_body(request, self.settings.max_body_bytes)
+        raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
         req = parse_request(raw, ChatRequest if chat else CompletionRequest)
         if req.model != self.settings.model_name:
             raise ApiError(404, f"model '{req.model}' is not served here; this server serves "
@@ -52,7 +53,7 @@ class CompletionService:
             self.scheduler.check(ids, params, k)
         except SpecdecodeError as e:
             raise ApiError(400, str(e), "max_tokens", "context_length_exceeded") from None
-        client = request.client.host if request.client else "unknown"
+        client = client_of(request, bool(self.settings.keys), self.settings.trusted_proxies)
         try:
             job = self.scheduler.submit(ids, params, k, client)
         except QueueFull:
@@ -118,15 +119,25 @@ def check_json_content_type(request: Request) -> None:
                             f"'{kind or 'none'}')", code="unsupported_media_type")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes, and with 408 if it has not
+    all arrived within `timeout_s` seconds (a client that trickles its body would hold a connection for ever)."""
     too_large = ApiError(413, f"the request body is larger than {limit} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     body = bytearray()
-    async for part in request.stream():
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    parts = request.stream().__aiter__()
+    while True:
+        try:
+            part = await asyncio.wait_for(parts.__anext__(), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            return bytes(body)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout",
+                           headers={"Connection": "close"}) from None
         body += part
         if len(body) > limit:
             raise too_large
-    return bytes(body)

@@ -11,6 +11,11 @@ from specdecode.errors import SpecdecodeError
 class ServerSettings:
     model_name: str  # the name clients put in "model"; /v1/models lists it
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
+    api_keys: tuple[str, ...] = ()  # more accepted keys (--api-key-file); fairness and limits count per key
+    protect_metrics: bool = False  # /metrics needs a key too
+    allowed_hosts: tuple[str, ...] = ("*",)  # Host headers served (others: 400): a loopback server names its own
+    allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); none by default
+    trusted_proxies: tuple[str, ...] = ()  # peers whose X-Forwarded-For names the client
     max_waiting: int = 64  # requests queued beyond those the batch can start at once; more get 503
     max_running: int = 16  # requests in the batch at once (one engine step serves them all)
     max_per_client: int = 32  # requests one client (peer address) may hold, running and waiting; more get 429
@@ -20,6 +25,13 @@ class ServerSettings:
     max_body_bytes: int = 1_000_000  # larger request bodies get 413 before they are parsed
     max_draft_tokens: int = 16  # upper bound for the per-request `num_draft_tokens` extension
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat defaults to the window
+    request_timeout_s: float | None = None  # a request not done this long after it arrived ends with a 504
+    body_timeout_s: float = 30.0  # a request body that has not all arrived by then gets 408 (a slow-loris client)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted API key (none: the API is open)."""
+        return tuple(dict.fromkeys(k for k in (self.api_key, *self.api_keys) if k))
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -29,5 +41,7 @@ class ServerSettings:
                 raise SpecdecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.kv_cache_gib > 0 or not self.keepalive_s > 0:
             raise SpecdecodeError("--kv-cache-gib and the keep-alive interval must be > 0")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0 or not self.body_timeout_s > 0:
+            raise SpecdecodeError("--request-timeout and the body timeout must be > 0")
         if self.max_body_bytes < 1024:
             raise SpecdecodeError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
