@@ -22,6 +22,7 @@ prompt chunk is one attention call (its kernels are not batch-invariant in any c
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.lockstep import run_batched
 from specdecode.errors import SpecdecodeError
+from specdecode.kv_cache import bytes_per_token
 from specdecode.model import Part, prompt_as_decode_rows
 from specdecode.planner import MAX_AUTO_NODES, Planner
 from specdecode.sequence import Sequence, Step
@@ -74,6 +76,8 @@ class Engine:
         self.last: Sequence | None = None  # the request `generate` ran last
         self.eos = tuple(target.config.eos_token_ids)
         self.prompt_decode = prompt_as_decode_rows(target)
+        # A drafter's own cache grows with the context too: the KV budget counts it, in target tokens.
+        self.kv_scale = 1.0 + drafter.cache_bytes_per_token / (bytes_per_token(target) or math.inf)
 
     def set_limits(self, max_running: int, kv_budget_tokens: int | None = None) -> None:
         self.max_running = max_running
@@ -90,18 +94,22 @@ class Engine:
         """Cache slots a request may need: prompt, every new token, and one full draft beyond."""
         return min(self.max_len, prompt_len + params.max_new_tokens + MAX_AUTO_NODES + 1)
 
+    def kv_cost(self, slots: int) -> int:
+        """What `slots` of a request weigh in the KV budget (in target tokens): its drafter's cache included."""
+        return math.ceil(slots * self.kv_scale)
+
     @property
     def kv_reserved(self) -> int:
-        return sum(self.reserved.values())
+        return sum(self.kv_cost(slots) for slots in self.reserved.values())
 
     def can_admit(self, prompt_len: int, params: SamplingParams) -> bool:
-        return (len(self.running) < self.max_running
-                and self.kv_reserved + self.reservation(prompt_len, params) <= self.kv_budget_tokens)
+        return (len(self.running) < self.max_running and self.kv_reserved
+                + self.kv_cost(self.reservation(prompt_len, params)) <= self.kv_budget_tokens)
 
     def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> None:
         """Raise SpecdecodeError for a request this engine could never run."""
         check_prompt(prompt_ids, self.max_len)
-        need = self.reservation(len(prompt_ids), params)
+        need = self.kv_cost(self.reservation(len(prompt_ids), params))
         if need > self.kv_budget_tokens:
             raise SpecdecodeError(f"the request needs {need} KV cache slots (prompt + max_tokens + a draft) but "
                                   f"the KV budget is {self.kv_budget_tokens}: lower max_tokens or shorten the prompt")
@@ -286,10 +294,6 @@ def check_prompt(prompt_ids: list[int], max_len: int) -> None:
 
 
 def kv_budget_tokens(target: torch.nn.Module, gib: float) -> int | None:
-    """Cache slots that fit in `gib` GiB of keys and values (None for a model whose cache size is unknown)."""
-    try:
-        config = target.config
-        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * target.dtype.itemsize
-    except AttributeError:
-        return None
-    return int(gib * 2**30 // per_token)
+    """Target tokens whose keys and values fit in `gib` GiB (None for a model whose cache size is unknown)."""
+    per_token = bytes_per_token(target)
+    return None if per_token is None else int(gib * 2**30 // per_token)

@@ -56,3 +56,12 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+
+def bytes_per_token(model: torch.nn.Module) -> int | None:
+    """Bytes of keys and values one token takes in `model`'s cache (None when its config does not say)."""
+    try:
+        config = model.config
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize
+    except AttributeError:
+        return None

@@ -2,6 +2,8 @@
 sampling reproducible), the output distribution is the target's with several requests in flight, drafts shrink
 under load, and the KV budget holds."""
 
+import math
+
 import pytest
 import torch
 
@@ -176,6 +178,20 @@ def test_kv_budget_bounds_admission_and_refuses_what_never_fits(target):
     engine.add([1, 2, 3], params)
     assert not engine.can_admit(3, params)  # 140 + 70 > 200
     assert engine.can_admit(3, SamplingParams(max_new_tokens=30))
+
+
+def test_a_draft_models_cache_counts_in_the_kv_budget(target, draft):
+    """The draft model's cache grows with the context as the target's does: the budget counts both."""
+    from specdecode.kv_cache import bytes_per_token
+
+    engine = Engine(target, DraftModelDrafter(draft, vocab_size=64), 0, max_len=256, kv_budget_tokens=200)
+    share = bytes_per_token(draft) / bytes_per_token(target)
+    assert engine.kv_cost(100) == math.ceil(100 * (1 + share)) > 100
+    params = SamplingParams(max_new_tokens=50)  # 3 + 50 + 17 = 70 target slots, more with the draft's
+    engine.add([1, 2, 3], params)
+    assert engine.kv_reserved == engine.kv_cost(70) and not engine.can_admit(3, params)  # 2 x 140 > 200
+    with pytest.raises(SpecdecodeError, match="KV budget is 200"):
+        engine.check(list(range(1, 60)), SamplingParams(max_new_tokens=50))  # fits the target alone, not both
 
 
 @needs_kernels

@@ -124,6 +124,7 @@ class Drafter:
     reads_every_position: bool = False  # hidden states of every position, not just the last step's
     forward_s: float = 0.0  # its running seconds per forward (the planner's estimate of a catch-up)
     drafting_s: float = 0.0  # what its last draft cost, catching up excluded
+    cache_bytes_per_token: int = 0  # what its own KV cache holds per token of context (in the engine's KV budget)
 
     @property
     def forward_model(self) -> torch.nn.Module | None:

@@ -31,6 +31,7 @@ import torch
 
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.tree_growth import ForwardTime, GrowsTrees, Node
+from specdecode.kv_cache import bytes_per_token
 from specdecode.masks import chain_mask
 from specdecode.model import Part, prompt_as_decode_rows
 
@@ -41,7 +42,7 @@ TREE_EXPAND = 1
 
 
 class DraftModelDrafter(GrowsTrees):
-    def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 1024,
+    def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 256,
                  min_confidence: float = 0.0, width: int = 1, max_depth: int = 8, expand: int | None = None,
                  head_tokens: torch.Tensor | None = None, clock: ForwardTime | None = None) -> None:
         """`head_tokens`: the vocabulary id of each logit of a draft head cut to frequent tokens
@@ -66,6 +67,10 @@ class DraftModelDrafter(GrowsTrees):
     @property
     def forward_model(self) -> torch.nn.Module:
         return self.model
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        return bytes_per_token(self.model) or 0
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.model, self.vocab_size, self.initial_len, self.min_confidence, self.width,

@@ -209,6 +209,11 @@ class EagleDrafter(GrowsTrees):
         return self.model
 
     @property
+    def cache_bytes_per_token(self) -> int:
+        c = self.model.config
+        return 2 * c.num_kv_heads * c.head_dim * 4  # one float32 layer
+
+    @property
     def head_tokens(self) -> torch.Tensor:
         return self.model.head_tokens  # the head's own buffer, wherever the head was moved
 
@@ -297,6 +302,6 @@ class EagleDrafter(GrowsTrees):
 
     def _grow(self, needed: int) -> None:
         if self.cache is None:
-            self.cache = self.model.new_cache(max(needed, 1024), self.model.device)
+            self.cache = self.model.new_cache(max(needed, 256), self.model.device)
         else:
             self.cache.grow(max(needed, 2 * self.cache.max_len))

@@ -57,6 +57,10 @@ class HybridDrafter(Drafter):
     def forward_s(self) -> float:
         return self.draft.forward_s
 
+    @property
+    def cache_bytes_per_token(self) -> int:
+        return self.draft.cache_bytes_per_token
+
     def fork(self) -> HybridDrafter:
         return HybridDrafter(self.draft.fork(), self.ngram.max_ngram)
 
