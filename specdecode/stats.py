@@ -30,6 +30,8 @@ class GenerationStats:
     drafted_at: list[int] = field(default_factory=list)  # [depth - 1] times a draft reached this depth
     accepted_at: list[int] = field(default_factory=list)  # [depth - 1] times a node at this depth was accepted
     tree_steps: int = 0  # steps whose draft was a tree with more than one node at some depth
+    prediction_tokens: int | None = None  # Predicted Outputs: the prediction's length (None: none was given)
+    accepted_prediction_tokens: int = 0  # of it, tokens the target accepted as drafted
     draft_budget: int | str = 0  # the request's draft size: a number of tokens, or "auto" (chosen per step)
     verify_costs: CostCurve | None = None  # the curve an automatic budget was chosen from
     ttft_s: float = 0.0
@@ -89,6 +91,11 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        """Prediction tokens that did not make it into the output (OpenAI bills these as completion tokens)."""
+        return max(0, (self.prediction_tokens or 0) - self.accepted_prediction_tokens)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -104,6 +111,9 @@ class GenerationStats:
             "accepted_path_length": self.accepted_path_length,
             "tree_steps": self.tree_steps,
             "draft_budget": self.draft_budget,
+            "prediction_tokens": self.prediction_tokens,
+            "accepted_prediction_tokens": self.accepted_prediction_tokens,
+            "rejected_prediction_tokens": self.rejected_prediction_tokens,
             "verify_costs": None if self.verify_costs is None else self.verify_costs.to_dict(),
             "ttft_s": self.ttft_s,
             "itl_s": self.itl_s,

@@ -147,6 +147,11 @@ MSG = [{"role": "user", "content": "hi"}]
     ("/v1/completions", {"model": SMOL, "prompt": ["a", "b"]}, 400, "one prompt per request"),
     ("/v1/completions", {"model": SMOL, "prompt": [1, 10**9]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"model": SMOL, "prompt": "hi", "echo": True}, 400, "echo=true"),
+    (CHAT, {"model": SMOL, "messages": MSG, "prediction": {"type": "content", "content": ""}}, 400,
+     "prediction.content"),
+    (CHAT, {"model": SMOL, "messages": MSG, "prediction": {"type": "content", "content": "word " * MAX_LEN}}, 400,
+     "shorten the prediction"),
+    (CHAT, {"model": SMOL, "messages": MSG, "prediction": {"type": "file", "content": "x"}}, 400, "prediction.type"),
 ])
 def test_bad_input_gets_a_4xx_with_an_openai_error(http, path, body, status, words):
     r = http.post(path, content=body, headers=JSON) if isinstance(body, bytes) else http.post(path, json=body)
@@ -162,6 +167,28 @@ def test_only_json_bodies_are_taken(http, content_type):
     r = http.post(CHAT, content=body, headers={"Content-Type": content_type} if content_type else {})
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
     assert http.post(CHAT, content=body, headers={"Content-Type": "application/json; charset=utf-8"}).status_code == 200
+
+
+def test_predicted_outputs_give_the_same_answer_and_count_the_prediction(client):
+    """The prediction of an answer is copied where the answer follows it: same greedy answer, fewer forwards, and
+    usage counts its accepted and rejected tokens as OpenAI does."""
+    prompt = "Rewrite with the variable renamed to total:\n\ncount = 0\nfor x in items:\n    count += x\n"
+    plain = client.completions.create(model=SMOL, prompt=prompt, max_tokens=40, temperature=0)
+    text = plain.choices[0].text
+    predicted = client.completions.create(model=SMOL, prompt=prompt, max_tokens=40, temperature=0,
+                                          extra_body={"prediction": {"type": "content", "content": text}})
+    assert predicted.choices[0].text == text
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0.7 * plain.usage.completion_tokens
+    assert details.rejected_prediction_tokens >= 0
+    assert predicted.usage.speculative["mean_accepted_length"] > plain.usage.speculative["mean_accepted_length"]
+    edited = text[: len(text) // 2] + " something else entirely " + text[len(text) // 2 :]
+    chat = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": prompt}], max_tokens=40,
+                                          temperature=0, prediction={"type": "content", "content": edited})
+    alone = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=40, temperature=0)
+    assert chat.choices[0].message.content == alone.choices[0].message.content
+    assert alone.usage.completion_tokens_details is None  # no prediction, no prediction counts
 
 
 def test_api_key_is_required_on_v1(url, client):

@@ -62,7 +62,7 @@ class ScriptedEngine:
     def set_limits(self, max_running: int, kv_budget_tokens: int | None = None) -> None:
         pass  # the test's own max_running stands
 
-    def check(self, prompt, params, k=None) -> None:
+    def check(self, prompt, params, k=None, prediction=None) -> None:
         if len(prompt) > 20:
             raise SpecdecodeError(f"the request needs {len(prompt) + 10} KV cache slots but the server's KV budget "
                                   "is 30")
@@ -72,7 +72,7 @@ class ScriptedEngine:
             raise RuntimeError("planted bug outside any request (the scheduler's own code)")
         return len(self.running) < self.max_running
 
-    def add(self, prompt, params, k=None) -> ScriptedSeq:
+    def add(self, prompt, params, k=None, prediction=None) -> ScriptedSeq:
         if prompt == [98]:
             raise RuntimeError("planted admission crash (a cache that cannot be allocated)")
         seq = ScriptedSeq(prompt, k, self.steps_for.get(prompt[0], self.steps))

@@ -58,6 +58,10 @@ class HybridDrafter(Drafter):
         return self.draft.forward_s
 
     @property
+    def drafting_s(self) -> float:  # its last draft's cost: the model's when the model drafted, else copying's ~0
+        return self.draft.drafting_s if self.used is self.draft else 0.0
+
+    @property
     def cache_bytes_per_token(self) -> int:
         return self.draft.cache_bytes_per_token
 

@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from specdecode.server import ray_app
 
         return ray_app.serve_forever(decoder_kwargs(args), settings, args.replicas, args.host, args.port,
-                                     args.ray_address, args.replica_cpus)
+                                     args.ray_address, args.replica_cpus, args.drain_timeout)
 
     from specdecode.compute import ComputeThread
     from specdecode.server.app import create_app

@@ -32,10 +32,15 @@ class Meta:
 def usage(stats: dict[str, Any], method: str, num_draft_tokens: int | None) -> dict[str, Any]:
     """OpenAI usage plus `speculative`; `stats` is GenerationStats.to_dict()."""
     prompt, completion = stats["prompt_tokens"], stats["new_tokens"]
+    details = {}
+    if stats.get("prediction_tokens") is not None:  # Predicted Outputs, counted as OpenAI does
+        details = {"completion_tokens_details": {"accepted_prediction_tokens": stats["accepted_prediction_tokens"],
+                                                 "rejected_prediction_tokens": stats["rejected_prediction_tokens"]}}
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        **details,
         "speculative": {
             "method": method,
             "num_draft_tokens": "auto" if num_draft_tokens is None else num_draft_tokens,

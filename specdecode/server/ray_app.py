@@ -10,7 +10,9 @@ so each gets `cpus` of them (torch threads included); across machines, start Ray
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 from specdecode.errors import SpecdecodeError
 from specdecode.server.settings import ServerSettings
@@ -27,7 +29,7 @@ def import_ray():
     return ray, serve
 
 
-def build(decoder_kwargs: dict, settings: ServerSettings, replicas: int, cpus: float):
+def build(decoder_kwargs: dict, settings: ServerSettings, replicas: int, cpus: float, drain_timeout: float = 30.0):
     """The Ray Serve application: `replicas` copies, each loading SpecDecoder.load(**decoder_kwargs)."""
     _, serve = import_ray()
 
@@ -59,21 +61,35 @@ def build(decoder_kwargs: dict, settings: ServerSettings, replicas: int, cpus: f
     deployment = serve.deployment(
         SpecdecodeReplica, name="specdecode", num_replicas=replicas, ray_actor_options={"num_cpus": cpus},
         max_ongoing_requests=settings.max_running + settings.max_waiting,
-        health_check_period_s=HEALTH_PERIOD_S, health_check_timeout_s=HEALTH_TIMEOUT_S)
+        health_check_period_s=HEALTH_PERIOD_S, health_check_timeout_s=HEALTH_TIMEOUT_S,
+        graceful_shutdown_timeout_s=drain_timeout)  # requests in flight finish for this long on shutdown
     return deployment.bind(decoder_kwargs, settings, cpus)
 
 
-def start(decoder_kwargs: dict, settings: ServerSettings, replicas: int, host: str, port: int,
-          address: str | None = None, cpus: float | None = None) -> str:
-    """Connect to (or start) Ray, deploy the replicas and return the endpoint's URL once they are up."""
-    ray, serve = import_ray()
-    if cpus is None:  # a local cluster splits this machine; a cluster's workers bring their own cores
-        cpus = max(1.0, (os.cpu_count() or 1) // replicas) if address is None else 1.0
+def replica_cpus(replicas: int, address: str | None, cpus: float | None) -> float:
+    if cpus is not None:
+        return cpus
+    # a local cluster splits this machine; a cluster's workers bring their own cores
+    return max(1.0, (os.cpu_count() or 1) // replicas) if address is None else 1.0
+
+
+def connect(replicas: int, address: str | None = None, cpus: float | None = None) -> None:
+    """Join the cluster at `address`, or start a local one sized for the replicas (once per process)."""
+    ray, _ = import_ray()
     if not ray.is_initialized():
+        cpus = replica_cpus(replicas, address, cpus)
         ray.init(address=address, include_dashboard=False, log_to_driver=True,
                  **({} if address else {"num_cpus": max(os.cpu_count() or 1, int(cpus * replicas))}))
+
+
+def start(decoder_kwargs: dict, settings: ServerSettings, replicas: int, host: str, port: int,
+          address: str | None = None, cpus: float | None = None, drain_timeout: float = 30.0) -> str:
+    """Connect to (or start) Ray, deploy the replicas and return the endpoint's URL once they are up."""
+    _, serve = import_ray()
+    connect(replicas, address, cpus)
+    cpus = replica_cpus(replicas, address, cpus)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build(decoder_kwargs, settings, replicas, cpus), name="specdecode", route_prefix="/")
+    serve.run(build(decoder_kwargs, settings, replicas, cpus, drain_timeout), name="specdecode", route_prefix="/")
     return f"http://{host}:{port}"
 
 
@@ -84,16 +100,36 @@ def stop() -> None:
 
 
 def serve_forever(decoder_kwargs: dict, settings: ServerSettings, replicas: int, host: str, port: int,
-                  address: str | None, cpus: float | None) -> int:
-    import time
+                  address: str | None, cpus: float | None, drain_timeout: float = 30.0) -> int:
+    """Serve until SIGTERM or Ctrl-C, then shut Serve and Ray down. Python's default SIGTERM would end this process
+    without that, leaving the local Ray cluster's processes running with nobody to stop them."""
+    stopping, serving = threading.Event(), threading.Event()
+    received: list[int] = []
 
-    url = start(decoder_kwargs, settings, replicas, host, port, address, cpus)
-    print(f"specdecode: {replicas} replicas of '{settings.model_name}' on Ray Serve at {url}/v1 (Ctrl-C stops)",
-          file=sys.stderr)
+    def on_signal(signum: int, _frame) -> None:
+        received.append(signum)
+        stopping.set()
+        if not serving.is_set():  # still deploying: give up on it (the finally below stops what started)
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while True:
-            time.sleep(3600)
+        connect(replicas, address, cpus)
+        for sig in previous:  # ray.init put its own handlers in (SIGTERM: a logged abort): ours again
+            signal.signal(sig, on_signal)
+        url = start(decoder_kwargs, settings, replicas, host, port, address, cpus, drain_timeout)
+        serving.set()
+        print(f"specdecode: {replicas} replicas of '{settings.model_name}' on Ray Serve at {url}/v1 (Ctrl-C stops)",
+              file=sys.stderr)
+        while not stopping.wait(1.0):
+            pass
+        print(f"specdecode: draining the replicas (up to {drain_timeout:g} s), then stopping Ray", file=sys.stderr)
     except KeyboardInterrupt:
-        return 130
+        pass
     finally:
         stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received and received[0] == signal.SIGTERM:
+        signal.raise_signal(signal.SIGTERM)  # stopped as SIGTERM stops a process, as the one-process server does
+    return 130

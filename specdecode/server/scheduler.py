@@ -74,6 +74,7 @@ class Job:
     num_draft_tokens: int | None
     loop: asyncio.AbstractEventLoop
     client: str = ""
+    prediction: list[int] | None = None  # Predicted Outputs: the answer the client expects, as token ids
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunk... then a final Chunk or a Failure
     arrived: float = field(default_factory=time.perf_counter)
     seq: Any = None  # the engine's Sequence once admitted
@@ -160,12 +161,13 @@ class Scheduler:
                 self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
         self.stop()
 
-    def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> None:
+    def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
+              prediction: list[int] | None = None) -> None:
         """Raise SpecdecodeError for a request the engine could never run (too long for the KV budget)."""
-        self.engine.check(prompt_ids, params, num_draft_tokens)
+        self.engine.check(prompt_ids, params, num_draft_tokens, prediction)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
-               client: str = "") -> Job:
+               client: str = "", prediction: list[int] | None = None) -> Job:
         """Queue a request (call from the event loop). Raises QueueFull past max_waiting requests in line, and
         ClientLimit when this client already holds max_per_client requests."""
         with self._cond:
@@ -175,7 +177,7 @@ class Scheduler:
                 raise ShuttingDown
             if self._closing.is_set() or len(self._waiting) >= self.max_waiting + self._free_slots():
                 raise QueueFull
-            job = Job(prompt_ids, params, num_draft_tokens, asyncio.get_running_loop(), client)
+            job = Job(prompt_ids, params, num_draft_tokens, asyncio.get_running_loop(), client, prediction)
             self._per_client[client] += 1
             self._waiting.append(job)
             self.metrics.waiting.set(len(self._waiting))
@@ -226,7 +228,7 @@ class Scheduler:
                 break  # the fairest waits for room; nobody overtakes it, so it cannot starve
             self._waiting.remove(job)
             try:
-                job.seq = self.engine.add(job.prompt_ids, job.params, job.num_draft_tokens)
+                job.seq = self.engine.add(job.prompt_ids, job.params, job.num_draft_tokens, job.prediction)
                 job.text = TextStream(self.decoder.tokenizer, job.params.stop)
             except SpecdecodeError as e:
                 self._end(job, Failure(400, str(e)), "error")

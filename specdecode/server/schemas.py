@@ -2,7 +2,7 @@
 
 Policy for OpenAI fields (documented in docs/server.md):
 - supported: model, prompt | messages, max_tokens (max_completion_tokens), temperature, top_p, seed, stop, stream,
-  stream_options.include_usage; extensions: top_k, num_draft_tokens, ignore_eos.
+  stream_options.include_usage, prediction (Predicted Outputs); extensions: top_k, num_draft_tokens, ignore_eos.
 - accepted only at their neutral value (clients often send them): n=1, best_of=1, penalties=0, logprobs off,
   echo=false, no logit_bias, tools or non-text response_format; `user` and `name` are accepted and ignored.
 - anything else is refused with a 400 that names the fields, rather than silently ignored.
@@ -61,6 +61,26 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class PredictionPart(Strict):
+    type: Literal["text"]
+    text: Annotated[str, Field(min_length=1)]
+
+
+class Prediction(Strict):
+    """Predicted Outputs: the text the answer is expected to be, mostly (a file the client asks to edit)."""
+
+    type: Literal["content"]
+    content: Annotated[str, Field(min_length=1)] | Annotated[list[PredictionPart], Field(min_length=1)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class SamplingFields(Strict):
     @model_validator(mode="before")
     @classmethod
@@ -80,6 +100,7 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     num_draft_tokens: int | None = Field(None, ge=0)  # extension: draft length for this request
     ignore_eos: bool = False  # extension: generate exactly max_tokens (load tests)
+    prediction: Prediction | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -109,11 +130,6 @@ class CompletionRequest(SamplingFields):
         if not prompt:
             raise ApiError(400, "prompt: the prompt is empty", "prompt")
         return prompt
-
-
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
 
 
 class Message(Strict):

@@ -49,13 +49,16 @@ class CompletionService:
                                 "shorten the prompt", "messages" if chat else "prompt", "context_length_exceeded")
         params = sampling_params(req, room, None if chat else self.settings.completion_default_max_tokens)
         k = self._num_draft_tokens(req, params)
+        prediction = await self._encode_prediction(req)
         try:
-            self.scheduler.check(ids, params, k)
+            self.scheduler.check(ids, params, k, prediction)
         except SpecdecodeError as e:
-            raise ApiError(400, str(e), "max_tokens", "context_length_exceeded") from None
+            field = "prediction" if "prediction" in str(e) else "max_tokens"
+            code = "context_length_exceeded" if field == "max_tokens" or "context window" in str(e) else None
+            raise ApiError(400, str(e), field, code) from None
         client = client_of(request, bool(self.settings.keys), self.settings.trusted_proxies)
         try:
-            job = self.scheduler.submit(ids, params, k, client)
+            job = self.scheduler.submit(ids, params, k, client, prediction)
         except QueueFull:
             raise ApiError(503, f"the server is busy ({self.settings.max_waiting} requests already waiting): "
                                 "retry shortly", code="server_busy", headers={"Retry-After": "1"}) from None
@@ -102,6 +105,15 @@ class CompletionService:
         if not ids:
             raise ApiError(400, "the prompt is empty after tokenization", "prompt")
         return ids
+
+    async def _encode_prediction(self, req: SamplingFields) -> list[int] | None:
+        if req.prediction is None:
+            return None
+        text = req.prediction.text()
+        if len(text) > self.max_len * MAX_CHARS_PER_TOKEN:
+            raise ApiError(400, f"the prediction has {len(text)} characters, more than a context window of "
+                                f"{self.max_len} tokens can hold: shorten it", "prediction")
+        return await asyncio.to_thread(self.decoder.encode_prediction, text)
 
     def _num_draft_tokens(self, req: SamplingFields, params: SamplingParams) -> int | None:
         k, limit = req.num_draft_tokens, self.settings.max_draft_tokens
