@@ -10,6 +10,18 @@ from __future__ import annotations
 import torch
 
 from specdecode.config import SamplingParams
+from specdecode.kernels import cpu_kernels
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] logits -> each row's argmax, the first index on ties: `logits.argmax(-1)`, on the native
+    kernel for CPU float32 (torch's takes ~0.24 ms for six rows of a 152k vocabulary, every greedy step)."""
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_cpu and logits.is_contiguous():
+        if (kernels := cpu_kernels()) is not None:
+            tokens = kernels.argmax_rows(logits)
+            if int(tokens.min()) >= 0:  # -1: a row with a NaN, which torch counts as the largest
+                return tokens
+    return logits.argmax(-1)
 
 
 def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

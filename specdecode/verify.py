@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.sampling import sample, to_probs
+from specdecode.sampling import greedy_tokens, sample, to_probs
 
 
 @dataclass(slots=True)
@@ -59,7 +59,7 @@ def verify_chain(
 ) -> Verdict:
     n = draft_tokens.numel()
     if params.greedy:
-        choice = target_logits.argmax(-1)  # [n + 1]
+        choice = greedy_tokens(target_logits)  # [n + 1]
         num_accepted = int((draft_tokens == choice[:n]).cumprod(0).sum())  # the step's one host sync
         return Verdict(choice[: num_accepted + 1], num_accepted)
 
@@ -121,7 +121,7 @@ def verify_tree(
     tokens = draft_tokens.tolist()
     path: list[int] = []
     if params.greedy:
-        choice = target_logits.argmax(-1).tolist()  # [n + 1]
+        choice = greedy_tokens(target_logits).tolist()  # [n + 1]
         row = 0
         while (child := next((c for c in children[row] if tokens[c] == choice[row]), None)) is not None:
             path.append(child)

@@ -120,6 +120,8 @@ def test_kernel_attention_extra_slots_match_gathered_sdpa():
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
 @pytest.mark.parametrize(("model_type", "mode", "overrides"), [
     ("qwen2", "none", {}),  # biases on q, k, v; float32 weights on the float kernel
+    ("qwen2", "q8_0", {}),  # biases, 32-weight blocks: q, k, v and gate, up each in one parallel region
+    ("qwen2", "q4_k", dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)),
     ("qwen3", "q8_0", {}),  # q and k norms
     ("llama", "q4_k", dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)),
 ])  # fmt: skip
@@ -154,3 +156,17 @@ def test_native_decoder_layers_equal_the_python_loop(monkeypatch, model_type, mo
     monkeypatch.setattr(Transformer, "_native_layers", lambda self, x, segments: None)
     python = run()
     assert all(torch.equal(a, b) for a, b in zip(native, python, strict=True))
+
+
+@pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_linears_run_together_equal_each_alone(rows):
+    """q, k, v (and gate, up) share one parallel region and one quantized input, whatever their block formats:
+    every output is bit-identical to its layer's own call."""
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
+    layers = [quantize_(tiny_native("qwen2", seed=4, **shape), mode).model.layers[0] for mode in ("q4_k", "q8_0", "none")]
+    ops = [layers[0].self_attn.q_proj.op, layers[1].self_attn.k_proj.op, layers[2].self_attn.v_proj.op,
+           layers[0].mlp.gate_proj.op, layers[1].mlp.up_proj.op]  # k-quant, 32-weight blocks, float; with biases
+    x = torch.randn(rows, 256)
+    together = kernels.run_linears(x, ops)
+    assert all(torch.equal(a, op(x)) for a, op in zip(together, ops, strict=True))

@@ -94,3 +94,19 @@ def test_sampling_self_draft_on_blocks_is_always_accepted(mode):
     params = SamplingParams(max_new_tokens=32, temperature=0.8, seed=3)
     tokens = [t for s in engine.generate([1, 2, 3, 4], params) for t in s.tokens]
     assert len(tokens) == 32 and engine.last.stats.drafted_tokens > 0 and engine.last.stats.acceptance_rate == 1.0
+
+
+def test_embedding_rows_are_the_same_from_its_cache(monkeypatch):
+    """Decode steps' embedding rows come from a small cache of recent tokens: the same bits as de-quantizing
+    them, duplicates and evictions included."""
+    from specdecode.blocks import quantize_float
+    from specdecode.quantize import QuantEmbedding
+
+    packed = quantize_float(torch.randn(50, 64), "q8_0")
+    embedding = QuantEmbedding(packed, torch.float32)
+    monkeypatch.setattr(QuantEmbedding, "CACHED_ROWS", 4)
+    for ids in ([[3]], [[3, 7, 3, 9]], [[1, 2, 5, 7, 3]], [[3, 1]], [list(range(40))], [[49, 0]]):
+        tokens = torch.tensor(ids)
+        expected = packed.rows(tokens.reshape(-1)).dequantize().view(*tokens.shape, -1)
+        assert torch.equal(embedding(tokens), expected)
+        assert len(embedding._rows) <= 4

@@ -11,17 +11,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_c16", &linear_c16, "y = x @ W^T + b, k-quant W with 16 channels per vector");
   m.def("repack_c16_legacy", &repack_c16_legacy, "32-weight blocks, row layout -> 16 output channels per vector");
   m.def("linear_c16_legacy", &linear_c16_legacy, "y = x @ W^T + b, 32-weight-block W with 16 channels per vector");
+  m.def("argmax_rows", &argmax_rows, "each row's largest value's index, the first on ties; -1 for a row with a NaN");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32, batch-invariant");
   m.def("rope_store", &rope_store, "rotary q and k, k and v into the cache, q as [B, H, T, D]");
   m.def("decode_attention", &decode_attention, "per-row attention over a prefix then extra slots, batch-invariant",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("spans"),
         py::arg("extras") = std::vector<std::vector<int64_t>>());
 
+  m.def("set_layer_profiling", &set_layer_profiling, "reset, then time each stage of the native layers (or stop)");
+  m.def("layer_profile", &layer_profile, "[(stage, seconds)] summed since profiling began; first ('calls', n)");
+  m.def("parallel_region_seconds", &parallel_region_seconds, "seconds of one empty fork-join of the thread team",
+        py::arg("repeats") = 1000);
+
   py::class_<LinearOp>(m, "LinearOp", "a linear layer on one of the kernels (kind: 0 c16, 1 c16 legacy, 2 rows, "
                                       "3 float32, 4 bfloat16)")
       .def(py::init<int64_t, std::vector<torch::Tensor>, torch::Tensor, std::vector<int64_t>>(), py::arg("kind"),
            py::arg("tensors"), py::arg("bias"), py::arg("ints"))
       .def("__call__", &LinearOp::operator());
+  m.def("run_linears", &run_linears, "linear layers reading one input, in one parallel region (layer_cpu.h)",
+        py::arg("x"), py::arg("ops"));
   py::class_<DecodeRows>(m, "DecodeRows", "the segments of a decode forward (layer_cpu.h)")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<std::vector<int64_t>>,
                     std::vector<std::vector<std::vector<int64_t>>>, std::vector<torch::Tensor>,

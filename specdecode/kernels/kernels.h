@@ -2,7 +2,38 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
+#include <functional>
+#include <map>
 #include <vector>
+
+// A linear layer's work, prepared (input quantized, output allocated): `run(first, last)` computes its units
+// (groups of 16 output channels) [first, last), from any thread, in any order; `done()` then returns the output.
+// Several layers that read one input run as one parallel region over all their units (layer_cpu.cpp), so a
+// decoder layer starts its thread team once for q, k and v and once for gate and up.
+struct LinearWork {
+  int64_t units = 0;
+  std::function<void(int64_t, int64_t)> run;
+  std::function<torch::Tensor()> done;
+};
+
+// An input's activations as the integer kernels read them, by block format (the group size): quantized once for
+// all the layers of a group.
+struct QuantizedActs {
+  std::map<int64_t, std::vector<torch::Tensor>> by_format;
+};
+
+inline torch::Tensor run_alone(const LinearWork& work) {
+  at::parallel_for(0, work.units, 1, [&](int64_t first, int64_t last) { work.run(first, last); });
+  return work.done();
+}
+
+// y[:, 16 cg .. 16 cg + 16) += bias: one float add per output, the rounding of adding the bias after the product.
+inline void add_bias(float* y, const float* bias, int64_t M, int64_t N, int64_t cg) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = cg * 16; c < cg * 16 + 16; ++c) y[m * N + c] += bias[c];
+}
 
 torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& weight);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& weight);
@@ -18,6 +49,13 @@ torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const 
                          const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G);
 std::vector<torch::Tensor> repack_c16_legacy(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
                                              const torch::Tensor& dmin, int64_t bits, bool with_m);
+LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
+                           const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& d,
+                           const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G,
+                           QuantizedActs& acts);
+LinearWork linear_c16_legacy_work(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
+                                  const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
+                                  int64_t bits, int64_t offset, QuantizedActs& acts);
 torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
                                 const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
                                 int64_t bits, int64_t offset);
@@ -25,9 +63,16 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras);
 
+torch::Tensor argmax_rows(const torch::Tensor& x);
 torch::Tensor rope_store(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
                          torch::Tensor& v_cache, const torch::Tensor& slots);
 torch::Tensor rope_store_at(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
                             torch::Tensor& v_cache, int64_t start);
+
+// Profiling of the native decoder layer (layer_cpu.cpp): per-stage wall time while on, and the cost of one empty
+// parallel region.
+void set_layer_profiling(bool on);
+std::vector<std::pair<std::string, double>> layer_profile();
+double parallel_region_seconds(int64_t repeats);

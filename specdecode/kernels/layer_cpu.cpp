@@ -3,14 +3,70 @@
 #include "layer_cpu.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <chrono>
 
 #include "kernels.h"
+
+namespace {
+
+// Wall time of each stage of DecoderLayer::forward, summed over the calls made while profiling is on
+// (scripts/profile_step.py). Off, a stage boundary costs one relaxed load.
+constexpr const char* kStageNames[] = {"input norm", "q k v", "rotary + cache", "attention", "o", "post norm",
+                                       "gate up", "silu mul", "down", "residual"};
+constexpr int kStages = sizeof(kStageNames) / sizeof(kStageNames[0]);
+std::atomic<bool> profiling{false};
+double stage_seconds[kStages] = {};
+int64_t profiled_calls = 0;
+
+using Clock = std::chrono::steady_clock;
+
+struct Laps {
+  bool on = profiling.load(std::memory_order_relaxed);
+  Clock::time_point last = on ? Clock::now() : Clock::time_point{};
+  void mark(int stage) {
+    if (!on) return;
+    const auto now = Clock::now();
+    stage_seconds[stage] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
+}  // namespace
+
+void set_layer_profiling(bool on) {
+  std::fill(stage_seconds, stage_seconds + kStages, 0.0);
+  profiled_calls = 0;
+  profiling.store(on);
+}
+
+std::vector<std::pair<std::string, double>> layer_profile() {
+  std::vector<std::pair<std::string, double>> out{{"calls", static_cast<double>(profiled_calls)}};
+  for (int i = 0; i < kStages; ++i) out.emplace_back(kStageNames[i], stage_seconds[i]);
+  return out;
+}
+
+// Seconds one empty fork-join of the thread team costs (at::parallel_for over one item per thread): what each
+// parallel region of a forward pays before any work, measured the way the kernels start theirs.
+double parallel_region_seconds(int64_t repeats) {
+  const int64_t threads = at::get_num_threads();
+  volatile int64_t sink = 0;
+  const auto begin = Clock::now();
+  for (int64_t r = 0; r < repeats; ++r)
+    at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) { sink = sink + last - first; });
+  return std::chrono::duration<double>(Clock::now() - begin).count() / static_cast<double>(repeats);
+}
 
 torch::Tensor LinearOp::operator()(const torch::Tensor& x) const {
   const auto& w = tensors;
   switch (kind) {
-    case kC16: return linear_c16(x, w[0], w[1], w[2], w[3], w[4], w[5], bias, ints[0], ints[1]);
-    case kC16Legacy: return linear_c16_legacy(x, w[0], w[1], w[2], w[3], bias, ints[0], ints[1]);
+    case kC16:
+    case kC16Legacy: {
+      QuantizedActs acts;
+      return run_alone(work(x, acts));
+    }
     case kQuant: return linear_quant(x, w[0], w[1], w[2], w[3], w[4], w[5], bias, ints[0], ints[1], ints[2]);
     case kFp32:
     case kBf16: {  // the float kernels take no bias: added after, as KernelLinear does
@@ -21,14 +77,46 @@ torch::Tensor LinearOp::operator()(const torch::Tensor& x) const {
   TORCH_CHECK(false, "unknown linear kind ", kind);
 }
 
+LinearWork LinearOp::work(const torch::Tensor& x, QuantizedActs& acts) const {
+  const auto& w = tensors;
+  if (kind == kC16) return linear_c16_work(x, w[0], w[1], w[2], w[3], w[4], w[5], bias, ints[0], ints[1], acts);
+  if (kind == kC16Legacy) return linear_c16_legacy_work(x, w[0], w[1], w[2], w[3], bias, ints[0], ints[1], acts);
+  LinearWork whole;
+  whole.done = [this, x] { return (*this)(x); };
+  return whole;
+}
+
+std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector<const LinearOp*>& ops) {
+  QuantizedActs acts;  // held until every unit has run: the works point into it
+  std::vector<LinearWork> works;
+  std::vector<int64_t> first_unit{0};
+  for (const LinearOp* op : ops) {
+    works.push_back(op->work(x, acts));
+    first_unit.push_back(first_unit.back() + works.back().units);
+  }
+  at::parallel_for(0, first_unit.back(), 1, [&](int64_t first, int64_t last) {
+    for (size_t i = 0; i < works.size(); ++i) {  // the share of [first, last) that falls in each layer
+      const int64_t begin = std::max(first, first_unit[i]), end = std::min(last, first_unit[i + 1]);
+      if (begin < end) works[i].run(begin - first_unit[i], end - first_unit[i]);
+    }
+  });
+  std::vector<torch::Tensor> out;
+  for (const auto& work : works) out.push_back(work.done());
+  return out;
+}
+
 torch::Tensor DecoderLayer::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                     const DecodeRows& rows) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, d] float32");
   const int64_t T = x.size(0), H = heads, Hkv = kv_heads, D = head_dim;
+  Laps laps;
   const auto h = rms_norm(x, input_norm, eps);
-  auto qx = q(h).view({1, T, H, D}), kx = k(h).view({1, T, Hkv, D});
-  const auto vx = v(h).view({1, T, Hkv, D});
+  laps.mark(0);
+  const auto qkv = run_linears(h, {&q, &k, &v});
+  auto qx = qkv[0].view({1, T, H, D}), kx = qkv[1].view({1, T, Hkv, D});
+  const auto vx = qkv[2].view({1, T, Hkv, D});
   if (q_norm.defined() && q_norm.numel()) qx = rms_norm(qx, q_norm, eps), kx = rms_norm(kx, k_norm, eps);
+  laps.mark(1);
   std::vector<torch::Tensor> parts;
   for (size_t s = 0; s < rows.begin.size(); ++s) {
     const int64_t b = rows.begin[s], e = rows.end[s];
@@ -39,10 +127,27 @@ torch::Tensor DecoderLayer::forward(const torch::Tensor& x, const torch::Tensor&
     const auto cs = (all ? cos : cos.slice(0, b, e)).view({1, e - b, D});
     const auto ss = (all ? sin : sin.slice(0, b, e)).view({1, e - b, D});
     const auto rotated = rope_store_at(qs, ks, vs, cs, ss, k_cache, v_cache, rows.start[s]);
+    laps.mark(2);
     parts.push_back(decode_attention(rotated, k_cache, v_cache, rows.spans[s], rows.extras[s]));
+    laps.mark(3);
   }
   const auto attn = parts.size() == 1 ? parts[0] : at::cat(parts, 2);  // [1, H, T, D]
-  const auto out = x + o(attn.transpose(1, 2).reshape({T, H * D}));
+  const auto projected = o(attn.transpose(1, 2).reshape({T, H * D}));
+  laps.mark(4);
+  const auto out = x + projected;
+  laps.mark(9);
   const auto h2 = rms_norm(out, post_norm, eps);
-  return out + down(at::silu(gate(h2)) * up(h2));
+  laps.mark(5);
+  const auto gate_up = run_linears(h2, {&gate, &up});
+  const auto& g = gate_up[0];
+  const auto& u = gate_up[1];
+  laps.mark(6);
+  const auto act = at::silu(g) * u;
+  laps.mark(7);
+  const auto mlp = down(act);
+  laps.mark(8);
+  auto result = out + mlp;
+  laps.mark(9);
+  if (laps.on) ++profiled_calls;
+  return result;
 }

@@ -7,6 +7,8 @@
 
 #include <vector>
 
+#include "kernels.h"
+
 // A linear layer on one of the kernels, with what the kernel needs: built by quantize.py's QuantLinear and
 // KernelLinear (their `op`).
 struct LinearOp {
@@ -17,7 +19,14 @@ struct LinearOp {
   std::vector<int64_t> ints;           // the kernel's integer arguments (bits, group, ...)
 
   torch::Tensor operator()(const torch::Tensor& x) const;
+  // Its work on x, for a parallel region shared with other layers reading x (the float kernels and the row
+  // kernel have no units: their `done` computes the whole output after the region).
+  LinearWork work(const torch::Tensor& x, QuantizedActs& acts) const;
 };
+
+// Linear layers that read the same input, in one parallel region over all their output channels, the input
+// quantized once per format: each output bit-identical to its layer's own call.
+std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector<const LinearOp*>& ops);
 
 // Which rows of a forward belong to which sequence: rows [begin, end) of segment s write their keys and values to
 // cache slots [start, start + end - begin) of caches k[s], v[s] ([layers, 1, Hkv, S, D] float32), and row t of the

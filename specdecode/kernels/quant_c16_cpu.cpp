@@ -29,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -282,9 +283,10 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, f
 
 }  // namespace
 
-torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
-                         const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& d,
-                         const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G) {
+LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
+                           const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& d,
+                           const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G,
+                           QuantizedActs& acts) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), ng = lo.size(0), nsb = lo.size(1), N = ng * 16;
   TORCH_CHECK(K == nsb * 256, "x has ", K, " columns, the weight ", nsb * 256);
@@ -293,28 +295,61 @@ torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const 
   static const std::vector<TileFn> q6 = tiles<6, 16>(std::make_integer_sequence<int, kTile>{});
   const std::vector<TileFn>& fns = bits == 4 ? q4 : bits == 5 ? q5 : q6;
   TORCH_CHECK((bits == 6) == (G == 16) && bits >= 4 && bits <= 6, "no kernel for bits=", bits, " G=", G);
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto xd = torch::empty({M, K / 256}, x.options());
-  auto pairs = torch::empty({M, K / G / 2}, x.options().dtype(torch::kInt32));
-  quantize_acts(x.data_ptr<float>(), M, K, G, q.data_ptr<int8_t>(), xd.data_ptr<float>(), pairs.data_ptr<int32_t>());
-  const C16Acts a{q.data_ptr<int8_t>(), xd.data_ptr<float>(), pairs.data_ptr<int32_t>(), K};
+  TORCH_CHECK(!bias.numel() || bias.numel() == N, "bias must have one value per output");
+  // the activations of this input in this format: quantized once for every layer of a group that reads it
+  auto& quantized = acts.by_format[G];
+  if (quantized.empty()) {
+    quantized = {torch::empty({M, K}, x.options().dtype(torch::kInt8)), torch::empty({M, K / 256}, x.options()),
+                 torch::empty({M, K / G / 2}, x.options().dtype(torch::kInt32))};
+    quantize_acts(x.data_ptr<float>(), M, K, G, quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(),
+                  quantized[2].data_ptr<int32_t>());
+  }
+  const C16Acts a{quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(), quantized[2].data_ptr<int32_t>(),
+                  K};
   const auto* d16 = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const auto* m16 = dmin.numel() ? reinterpret_cast<const uint16_t*>(dmin.data_ptr<at::Half>()) : nullptr;
   const C16Weight w{lo.data_ptr<uint8_t>(), hi.numel() ? hi.data_ptr<uint8_t>() : nullptr, sc.data_ptr<int8_t>(),
                     mn.numel() ? mn.data_ptr<int8_t>() : nullptr, d16, m16, nsb};
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, ng, 1, [&](int64_t first, int64_t last) {
-    for (int64_t cg = first; cg < last; ++cg)
-      for (int64_t m = 0; m < M; m += kTile) fns[std::min<int64_t>(kTile, M - m) - 1](a, w, cg, m, yp, N);
-  });
-  if (bias.numel()) y.add_(bias);
-  return y;
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  LinearWork work;
+  work.units = ng;
+  // the tensors behind `a` and `w` are held by the caller (the activations by `acts`) until the work is done
+  work.run = [a, w, fns = &fns, M, N, yp, bp, bits](int64_t first, int64_t last) {
+    // The first superblocks of this thread's share, asked for at once (the tiles prefetch kAhead ahead of
+    // themselves): a small layer would otherwise start each share at the memory's latency.
+    for (int64_t at = first * w.nsb; at < std::min(last * w.nsb, first * w.nsb + kAhead); ++at) {
+      for (int line = 0; line < 32; ++line) prefetch_nta(w.lo + (at * 32 + line) * 64);
+      if (w.hi != nullptr)
+        for (int line = 0; line < 16; ++line) prefetch_nta(w.hi + (at * 16 + line) * 64);
+      prefetch_nta(w.sc + at * (bits == 6 ? 16 : 8) * 16);
+      prefetch_nta(w.d + at * 16);
+    }
+    for (int64_t cg = first; cg < last; ++cg) {
+      for (int64_t m = 0; m < M; m += kTile) (*fns)[std::min<int64_t>(kTile, M - m) - 1](a, w, cg, m, yp, N);
+      if (bp != nullptr) add_bias(yp, bp, M, N, cg);
+    }
+  };
+  work.done = [y] { return y; };
+  return work;
+}
+
+torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
+                         const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& d,
+                         const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G) {
+  QuantizedActs acts;
+  return run_alone(linear_c16_work(x, lo, hi, sc, mn, d, dmin, bias, bits, G, acts));
 }
 #else
 torch::Tensor linear_c16(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                          const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                          int64_t, int64_t) {
+  TORCH_CHECK(false, "linear_c16 needs AVX-512 VNNI");
+}
+LinearWork linear_c16_work(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                           const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                           int64_t, int64_t, QuantizedActs&) {
   TORCH_CHECK(false, "linear_c16 needs AVX-512 VNNI");
 }
 #endif

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 // Row layout (blocks.py: 32-code nibble runs, bit planes; Q8_0 signed bytes) -> the channel layout above.
@@ -176,9 +177,9 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float* xd, i
 
 }  // namespace
 
-torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
-                                const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
-                                int64_t bits, int64_t offset) {
+LinearWork linear_c16_legacy_work(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
+                                  const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
+                                  int64_t bits, int64_t offset, QuantizedActs& acts) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), ng = codes.size(0), nb = codes.size(1), N = ng * 16;
   TORCH_CHECK(K == nb * 32, "x has ", K, " columns, the weight ", nb * 32);
@@ -192,26 +193,56 @@ torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& cod
   if (bits == 8 && offset == 128) fns = &q8_0;
   TORCH_CHECK(fns != nullptr && (offset == 0 || offset == (bits == 8 ? 128 : 1 << (bits - 1))),
               "no kernel for bits=", bits, " offset=", offset);
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto xd = torch::empty({M, K / 32}, x.options());
-  auto sum = torch::empty({M, K / 32}, x.options().dtype(torch::kInt32));
-  quantize_acts(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), xd.data_ptr<float>(), sum.data_ptr<int32_t>());
-  const Acts a{q.data_ptr<int8_t>(), xd.data_ptr<float>(), sum.data_ptr<int32_t>(), K};
+  TORCH_CHECK(!bias.numel() || bias.numel() == N, "bias must have one value per output");
+  auto& quantized = acts.by_format[-32];  // every 32-weight block type reads these (the k-quants key by G > 0)
+  if (quantized.empty()) {
+    quantized = {torch::empty({M, K}, x.options().dtype(torch::kInt8)), torch::empty({M, K / 32}, x.options()),
+                 torch::empty({M, K / 32}, x.options().dtype(torch::kInt32))};
+    quantize_acts(x.data_ptr<float>(), M, K, quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(),
+                  quantized[2].data_ptr<int32_t>());
+  }
+  const Acts a{quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(), quantized[2].data_ptr<int32_t>(), K};
   const Weight w{codes.data_ptr<uint8_t>(), hi.numel() ? hi.data_ptr<uint8_t>() : nullptr,
                  reinterpret_cast<const uint16_t*>(d.data_ptr()),
                  dmin.numel() ? reinterpret_cast<const uint16_t*>(dmin.data_ptr()) : nullptr, nb};
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, ng, 1, [&](int64_t first, int64_t last) {
-    for (int64_t cg = first; cg < last; ++cg)
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  LinearWork work;
+  work.units = ng;
+  const int lines = bits == 8 ? 8 : 4;
+  work.run = [a, w, fns, M, N, yp, bp, lines](int64_t first, int64_t last) {
+    // The first blocks of this thread's share, asked for at once: the tiles prefetch kAhead blocks ahead of
+    // themselves, and a small layer (the draft model's k, v, o) would otherwise start each share at the memory's
+    // latency, block by block.
+    for (int64_t at = first * w.nb; at < std::min(last * w.nb, first * w.nb + kAhead); ++at) {
+      for (int line = 0; line < lines; ++line) prefetch_nta(w.codes + (at * lines + line) * 64);
+      if (w.hi != nullptr) prefetch_nta(w.hi + at * 64);
+      prefetch_nta(w.d + at * 16);
+    }
+    for (int64_t cg = first; cg < last; ++cg) {
       for (int64_t m = 0; m < M; m += kTile) (*fns)[std::min<int64_t>(kTile, M - m) - 1](a, w, cg, m, yp, N);
-  });
-  if (bias.numel()) y.add_(bias);
-  return y;
+      if (bp != nullptr) add_bias(yp, bp, M, N, cg);
+    }
+  };
+  work.done = [y] { return y; };
+  return work;
+}
+
+torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
+                                const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
+                                int64_t bits, int64_t offset) {
+  QuantizedActs acts;
+  return run_alone(linear_c16_legacy_work(x, codes, hi, d, dmin, bias, bits, offset, acts));
 }
 #else
 torch::Tensor linear_c16_legacy(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                 const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t, int64_t) {
+  TORCH_CHECK(false, "linear_c16_legacy needs AVX-512 VNNI");
+}
+LinearWork linear_c16_legacy_work(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                  const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t, int64_t,
+                                  QuantizedActs&) {
   TORCH_CHECK(false, "linear_c16_legacy needs AVX-512 VNNI");
 }
 #endif

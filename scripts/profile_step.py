@@ -1,0 +1,383 @@
+"""Where a speculative step's time goes, measured against what the machine's memory allows.
+
+Decoding is bound by the bytes read per token: a forward's floor is its weight bytes (and the KV cache it reads)
+over the machine's read bandwidth. This script measures that bandwidth, then, in the same process:
+
+1. **Forwards.** The target and the draft model (as it drafts: its LM head cut to frequent tokens) over 1, 4 and
+   8 decode rows after a `--context`-token prompt: wall time per forward, split into the native decoder layer's
+   stages (norms, q/k/v, rotary + cache writes, attention, o, gate/up, silu, down, residual adds), the LM head and
+   the rest (embedding, rotary tables, Python around the layers), with the bytes read and the share of the
+   bandwidth floor reached. Also what one empty fork-join of the thread team costs, and how many a forward starts.
+2. **Steps.** Whole generations with `--methods` (default draft, hybrid), every engine step split into the target's
+   verify forward, the draft model's forwards, verification, the planner, drafter logic (tree growth, copying),
+   sequence and KV-cache bookkeeping, and the remainder (engine glue); plus the text layer around the engine.
+
+    python scripts/profile_step.py                       # the default pair, 3 prompts, 128 new tokens each
+    python scripts/profile_step.py --rows 1,4,8 --json bench-results/profile.json
+
+Numbers are medians (forwards) or sums over the run (steps); the machine's bandwidth drifts by tens of percent
+between minutes, which is why it is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from specdecode import SamplingParams, SpecDecoder
+from specdecode.kernels import cpu_flags, cpu_kernels, cpu_model
+from specdecode.loading import load_model
+from specdecode.masks import chain_mask
+from specdecode.model import Part
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
+
+
+# --- the machine ---------------------------------------------------------------------------------------------
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> list[float]:
+    """GB/s of a float32 sum over `gib` GiB with the process's threads (each repeat reads it all once)."""
+    data = torch.ones(int(gib * 2**30) // 4)
+    data.sum()  # pages touched before timing
+    rates = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        data.sum()
+        rates.append(data.numel() * 4 / (time.perf_counter() - began) / 1e9)
+    return rates
+
+
+# --- forwards ------------------------------------------------------------------------------------------------
+
+
+def linear_bytes(module: torch.nn.Module) -> int:
+    """Bytes a linear layer reads per forward: its weight as it runs (blocks, or float)."""
+    if hasattr(module, "weight_bytes"):
+        return int(module.weight_bytes)
+    weight = getattr(module, "weight", None)
+    return 0 if weight is None else weight.numel() * weight.element_size()
+
+
+def model_bytes(model: torch.nn.Module, context: int, rows: int) -> dict[str, int]:
+    """Bytes one forward over `rows` tokens after `context` reads: layers' weights, LM head, KV cache."""
+    layers = sum(linear_bytes(m) for m in model.model.layers.modules() if m is not model.model.layers
+                 and hasattr(m, "op"))
+    c = model.config
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize * (context + rows)
+    return {"layers": layers, "lm_head": linear_bytes(model.lm_head), "kv_cache": kv}
+
+
+def time_forward(model: torch.nn.Module, context: int, rows: int, repeats: int) -> tuple[list[float], dict]:
+    """-> (seconds per forward, repeats of it; the native layers' stage seconds per forward, LM head included)."""
+    kernels = cpu_kernels()
+    cache = model.new_cache(1, context + rows + 8)
+    prompt = torch.randint(0, 1000, (context,))
+    model.forward_parts([Part(prompt, torch.arange(context), cache, chain_mask(0, context), context - 1)])
+    ids = torch.randint(0, 1000, (rows,))
+    part = Part(ids, torch.arange(context, context + rows), cache, chain_mask(context, rows))
+    lm_head = model.lm_head
+
+    def forward() -> float:
+        cache.truncate(context)
+        began = time.perf_counter()
+        model.forward_parts([part])
+        return time.perf_counter() - began
+
+    for _ in range(3):
+        forward()
+    times = [forward() for _ in range(repeats)]
+    # The LM head timed where it runs, after the layers (alone, a draft's 31 MB head stays in the L3 cache)
+    head: list[float] = []
+    plain_forward = lm_head.forward
+
+    def timed_head(x: torch.Tensor) -> torch.Tensor:
+        began = time.perf_counter()
+        out = plain_forward(x)
+        head.append(time.perf_counter() - began)
+        return out
+
+    lm_head.forward = timed_head
+    profiling = hasattr(kernels, "set_layer_profiling")  # kernels of this version or later: the layers' stages
+    if profiling:
+        kernels.set_layer_profiling(True)
+    try:
+        for _ in range(repeats):
+            forward()
+    finally:
+        del lm_head.forward
+    split = {}
+    if profiling:
+        stages = dict(kernels.layer_profile())
+        kernels.set_layer_profiling(False)
+        calls = stages.pop("calls") / model.config.num_layers  # forwards profiled
+        split = {name: seconds / calls for name, seconds in stages.items()}
+    split["lm head"] = statistics.median(head)
+    return times, split
+
+
+def parallel_regions(model: torch.nn.Module, rows: int) -> int:
+    """Fork-joins of the thread team one forward starts at least: one per group of linear layers that read one
+    input, one per attention call with more than one unit of work, and the LM head's (more rows add the
+    activations' quantization)."""
+    c = model.config
+    attention = 1 if c.num_kv_heads * rows > 1 else 0
+    return c.num_layers * (4 + attention) + 1  # q k v together, o, gate up together, down
+
+
+def forward_table(name: str, model: torch.nn.Module, args, region_s: float, sizes: list[int]) -> list[dict]:
+    rows_out = []
+    for rows in sizes:
+        times, split = time_forward(model, args.context, rows, args.repeats)
+        wall = statistics.median(times)
+        layers = sum(v for k, v in split.items() if k != "lm head")
+        split["rest" if layers else "all but the LM head"] = max(0.0, wall - layers - split["lm head"])
+        nbytes = model_bytes(model, args.context, rows)
+        regions = parallel_regions(model, rows)
+        rows_out.append({"model": name, "rows": rows, "ms": wall * 1e3, "ms_min": min(times) * 1e3,
+                         "ms_max": max(times) * 1e3, "mb_read": {k: v / 1e6 for k, v in nbytes.items()},
+                         "bytes": sum(nbytes.values()), "regions": regions,
+                         "regions_ms": regions * region_s * 1e3, "split_ms": {k: v * 1e3 for k, v in split.items()}})
+    return rows_out
+
+
+def llamacpp_one_token(args) -> dict[str, float]:
+    """llama.cpp's one-token forward of the same files (its whole LM head) after a 200-token context: ms, best of
+    the repeats (scripts/verify_cost.py times it so)."""
+    from verify_cost import llamacpp_row  # beside this script
+
+    return {name: llamacpp_row(model, [1], args.repeats, 0)[0][0]
+            for name, model in (("target", args.target), ("draft (plain decoder)", args.draft))}
+
+
+def print_forwards(rows: list[dict], bandwidth: float, llamacpp: dict[str, float] | None = None) -> None:
+    print(f"\n### Forwards (median of the repeats; floor = bytes read / {bandwidth:.1f} GB/s)\n")
+    stages = list(dict.fromkeys(stage for r in rows for stage in r["split_ms"]))
+    print("| model | rows | ms (min-max) | MB read (layers + head + KV) | floor ms | share of floor | "
+          + " | ".join(stages) + " | fork-joins (ms if empty) |")
+    print("|---|---:|---|---|---:|---:|" + "---:|" * len(stages) + "---:|")
+    for r in rows:
+        mb = r["mb_read"]
+        print(f"| {r['model']} | {r['rows']} | {r['ms']:.2f} ({r['ms_min']:.2f}-{r['ms_max']:.2f}) | "
+              f"{mb['layers']:.0f} + {mb['lm_head']:.0f} + {mb['kv_cache']:.0f} | {r['floor_ms']:.2f} | "
+              f"{100 * r['share_of_floor']:.0f}% | " + " | ".join(f"{r['split_ms'][s]:.2f}" if s in r["split_ms"] else "-" for s in stages)
+              + f" | {r['regions']} ({r['regions_ms']:.2f}) |")
+    for name, ms in (llamacpp or {}).items():
+        ours = next(r for r in rows if r["model"] == name and r["rows"] == 1)
+        print(f"\nllama.cpp, {name}, one token: {ms:.2f} ms best of the repeats, {100 * ours['floor_ms'] / ms:.0f}% "
+              f"of the floor (ours best {ours['ms_min']:.2f} ms: {ms / ours['ms_min']:.2f}x llama.cpp's speed)")
+
+
+# --- steps ---------------------------------------------------------------------------------------------------
+
+
+class SelfTimer:
+    """Wraps methods so that each category is charged its own time, the time of wrapped callees excluded."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.stack: list[list] = []  # [category, began, children's seconds]
+        self.undo: list = []
+
+    def wrap(self, owner, attr: str, category: str) -> None:
+        original = getattr(owner, attr)
+        timer = self
+
+        def timed(*a, **kw):
+            timer.stack.append([category, time.perf_counter(), 0.0])
+            try:
+                return original(*a, **kw)
+            finally:
+                cat, began, children = timer.stack.pop()
+                spent = time.perf_counter() - began
+                timer.seconds[cat] += spent - children
+                timer.calls[cat] += 1
+                if timer.stack:
+                    timer.stack[-1][2] += spent
+
+        setattr(owner, attr, timed)
+        self.undo.append((owner, attr, original))
+
+    def wrap_generator(self, owner, attr: str, category: str) -> None:
+        """A drafter's `drafting` generator: its own code runs between yields, its forwards outside it."""
+        original = getattr(owner, attr)
+        timer = self
+
+        def timed(*a, **kw):
+            gen = original(*a, **kw)
+            sent = None
+            while True:
+                timer.stack.append([category, time.perf_counter(), 0.0])
+                try:
+                    part = gen.send(sent)
+                except StopIteration as done:
+                    return done.value
+                finally:
+                    cat, began, children = timer.stack.pop()
+                    spent = time.perf_counter() - began
+                    timer.seconds[cat] += spent - children
+                    if timer.stack:
+                        timer.stack[-1][2] += spent
+                sent = yield part
+
+        setattr(owner, attr, timed)
+        self.undo.append((owner, attr, original))
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self.undo):
+            setattr(owner, attr, original)
+        self.undo.clear()
+
+
+def instrument(sd: SpecDecoder, timer: SelfTimer) -> None:
+    """Charge every part of an engine step to a category (instance attributes: nothing else is touched)."""
+    from specdecode import planner, sequence, verify
+    from specdecode.drafters import tree_growth
+
+    engine = sd.engine
+    timer.wrap(engine, "step", "engine glue")
+    timer.wrap(engine.target, "forward_parts", "target forward")
+    draft_model = getattr(engine.drafter, "forward_model", None)
+    if draft_model is not None:
+        timer.wrap(draft_model, "forward_parts", "draft forwards")
+    for attr in ("choose", "plan", "cut", "observe", "learn", "drafted_together"):
+        timer.wrap(engine.planner, attr, "planner")
+    for attr in ("verify_chain", "verify_tree"):  # as sequence.py calls them
+        timer.wrap(sequence, attr, "verification")
+    for attr in ("prefill_part", "prefilled", "draft_request", "proposed_draft", "skip_draft", "verify_part",
+                 "verified"):
+        timer.wrap(sequence.Sequence, attr, "sequence + KV bookkeeping")
+    for cls in {type(engine.drafter), tree_growth.GrowsTrees}:
+        for attr in ("commit", "propose"):
+            if attr in vars(cls):
+                timer.wrap(cls, attr, "drafter logic")
+    for cls in {type(engine.drafter)} | {type(getattr(engine.drafter, "draft", None))} - {type(None)}:
+        if "drafting" in vars(cls):
+            timer.wrap_generator(cls, "drafting", "drafter logic")
+    del planner, verify
+
+
+def prompts(limit: int) -> list[tuple[str, str]]:
+    out = []
+    for name in ("humaneval_dev.jsonl", "mt_bench.jsonl", "gsm8k_dev.jsonl"):
+        path = DATA / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[:limit]:
+            row = json.loads(line)
+            text = row.get("prompt") or row.get("question") or (row.get("turns") or [""])[0]
+            out.append((name.split("_")[0].split(".")[0], text))
+    return out or [("builtin", "Write a Python function that checks whether a string is a palindrome.")]
+
+
+def step_profile(sd: SpecDecoder, args) -> dict:
+    """Every prompt once to warm up (its kernels, its draft cache sizes), then again instrumented."""
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    texts = [text for _, text in prompts(args.prompts)]
+    for text in texts:
+        sd.generate(text, params, chat=True)
+    timer = SelfTimer()
+    instrument(sd, timer)
+    tokens, wall, accepted = 0, 0.0, []
+    try:
+        for text in texts:
+            began = time.perf_counter()
+            result = sd.generate(text, params, chat=True)
+            wall += time.perf_counter() - began
+            tokens += len(result.token_ids)
+            accepted.append(result.stats.mean_accepted_length)
+    finally:
+        timer.restore()
+    return {"wall_s": wall, "tokens": tokens, "steps": timer.calls["target forward"],
+            "mean_accepted_length": statistics.mean(accepted), "seconds": dict(timer.seconds)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--rows", default="1,4,8", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--methods", default="draft,hybrid")
+    ap.add_argument("--prompts", type=int, default=1, help="prompts per dev set for the step profile")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--llamacpp", action="store_true", help="also time llama.cpp's one-token forward of the same "
+                    "files (needs llama-cpp-python: pip install -e '.[llamacpp]')")
+    ap.add_argument("--json", help="write every figure here")
+    args = ap.parse_args()
+
+    flags = [f for f in FLAGS_SHOWN if f in cpu_flags()]
+    print(f"{cpu_model()} ({', '.join(flags)}), {torch.get_num_threads()} threads, torch {torch.__version__}")
+    # A shared machine's bandwidth has slow spells: measured before and after the forwards, the best is the floor
+    bw = read_bandwidth()
+    kernels = cpu_kernels()
+    region_s = kernels.parallel_region_seconds(2000) if hasattr(kernels, "parallel_region_seconds") else 0.0
+    print(f"one empty fork-join of the thread team {region_s * 1e6:.1f} us")
+    report: dict = {"cpu": cpu_model(), "flags": flags, "threads": torch.get_num_threads(), "bandwidth_gbs": bw,
+                    "fork_join_us": region_s * 1e6, "forwards": [], "steps": {}}
+
+    sd = None
+    for method in args.methods.split(","):
+        sd = SpecDecoder.load(args.target, draft=args.draft, method=method) if sd is None else sd.__class__(
+            sd.engine.target, sd.tokenizer, _drafter(sd, method), method, None, costs=sd.engine.costs)
+        if not report["forwards"]:
+            models = [("target", sd.engine.target, args.rows)]
+            draft_model = getattr(sd.engine.drafter, "forward_model", None)
+            if draft_model is not None:
+                models.append(("draft (as drafter)", draft_model, args.rows))
+                plain, _ = load_model(args.draft, torch.float32, weights="stored")  # its whole LM head
+                models.append(("draft (plain decoder)", plain, [1]))
+            for name, model, sizes in models:
+                report["forwards"] += forward_table(name, model, args, region_s, sizes)
+            if args.llamacpp:
+                report["llamacpp_ms"] = llamacpp_one_token(args)
+            bw += read_bandwidth()
+            bandwidth = max(bw)
+            for row in report["forwards"]:
+                row["floor_ms"] = row["bytes"] / (bandwidth * 1e9) * 1e3
+                row["share_of_floor"] = row["floor_ms"] / row["ms"]
+            print(f"read bandwidth {bandwidth:.1f} GB/s at best ({min(bw):.1f}-{max(bw):.1f} over "
+                  f"{len(bw)} reads of 1 GiB, half before the forwards, half after)")
+            print_forwards(report["forwards"], bandwidth, report.get("llamacpp_ms"))
+        report["steps"][method] = step_profile(sd, args)
+    print_steps(report["steps"])
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def _drafter(sd: SpecDecoder, method: str):
+    """The same loaded draft model behind another method's drafter (no second load)."""
+    from specdecode.drafters.hybrid import HybridDrafter
+
+    drafter = sd.engine.drafter
+    base = drafter.draft if isinstance(drafter, HybridDrafter) else drafter
+    return HybridDrafter(base.fork()) if method == "hybrid" else base.fork()
+
+
+def print_steps(steps: dict) -> None:
+    print("\n### Steps (ms per step, summed over the run; each category its own time)\n")
+    categories = ["target forward", "draft forwards", "verification", "planner", "drafter logic",
+                  "sequence + KV bookkeeping", "engine glue", "text + API"]
+    print("| method | steps | tok/s | " + " | ".join(categories) + " | outside forwards |")
+    print("|---|---:|---:|" + "---:|" * (len(categories) + 1))
+    for method, s in steps.items():
+        seconds, n = dict(s["seconds"]), s["steps"]
+        seconds["text + API"] = max(0.0, s["wall_s"] - sum(seconds.values()))
+        outside = sum(v for k, v in seconds.items() if k not in ("target forward", "draft forwards"))
+        print(f"| {method} | {n} | {s['tokens'] / s['wall_s']:.1f} | "
+              + " | ".join(f"{1e3 * seconds.get(c, 0.0) / n:.2f}" for c in categories)
+              + f" | {1e3 * outside / n:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+// The index of each row's largest value, for greedy verification: torch.argmax over a [rows, vocabulary] float32
+// tensor runs at ~4 GB/s on a 2-core CPU (0.24 ms for six rows of a 152k vocabulary, every step); eight lanes at a
+// time this is a read of the logits. Same answer: the first index on ties. A row holding a NaN answers -1, and the
+// caller asks torch (which counts NaN as the largest).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+int64_t row_argmax(const float* x, int64_t V) {
+  int64_t i = 0, best_index = 0;
+  float best = -INFINITY;
+  bool nan = false;
+  if (V >= 8) {
+    __m256 top = _mm256_loadu_ps(x);
+    __m256i where = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = where;
+    __m256 unordered = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
+    const __m256i step = _mm256_set1_epi32(8);
+    for (i = 8; i + 8 <= V; i += 8) {
+      at = _mm256_add_epi32(at, step);
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 greater = _mm256_cmp_ps(v, top, _CMP_GT_OQ);  // strictly: a lane keeps its first maximum
+      top = _mm256_blendv_ps(top, v, greater);
+      where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(at), greater));
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
+    alignas(32) float values[8];
+    alignas(32) int32_t indices[8];
+    _mm256_store_ps(values, top);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(indices), where);
+    best = values[0], best_index = indices[0];
+    for (int lane = 1; lane < 8; ++lane)
+      if (values[lane] > best || (values[lane] == best && indices[lane] < best_index))
+        best = values[lane], best_index = indices[lane];
+  }
+  for (; i < V; ++i) {
+    nan = nan || std::isnan(x[i]);
+    if (x[i] > best || (i == 0)) best = x[i], best_index = i;
+  }
+  return nan ? -1 : best_index;
+}
+
+}  // namespace
+
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, V] float32");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t(1) << 31), "rows must hold 1 to 2^31 - 1 values");
+  const int64_t M = x.size(0), V = x.size(1);
+  auto out = torch::empty({M}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t first, int64_t last) {
+    for (int64_t m = first; m < last; ++m) op[m] = row_argmax(xp + m * V, V);
+  });
+  return out;
+}
