@@ -170,3 +170,25 @@ def test_linears_run_together_equal_each_alone(rows):
     x = torch.randn(rows, 256)
     together = kernels.run_linears(x, ops)
     assert all(torch.equal(a, op(x)) for a, op in zip(together, ops, strict=True))
+
+
+@pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+@pytest.mark.parametrize(("dim", "dtype"), [(64, torch.float32), (128, torch.float32), (24, torch.bfloat16)])
+def test_kernel_attention_rows_together_equal_each_alone(dim, dtype):
+    """Rows attended together read the cache once for all of them (in chunks of rows): each row's output is
+    bit-identical to a call with that row alone, for chain rows, tree rows and long prefixes."""
+    torch.manual_seed(1)
+    heads, kv_heads, slots = 6, 2, 300
+    k, v = torch.randn(1, kv_heads, slots, dim).to(dtype), torch.randn(1, kv_heads, slots, dim).to(dtype)
+    cases = [
+        ([250 + t for t in range(19)], []),  # a chain of 19 rows after 250 cached slots: three chunks
+        ([201, 201, 201, 201, 201], [[], [205], [205, 207], [206], [205, 207, 210]]),  # a tree's rows
+        ([3, 130, 7, 131], [[9], [], [130, 140], []]),  # spans far apart
+    ]
+    for spans, extras in cases:
+        q = torch.randn(1, heads, len(spans), dim)
+        together = kernels.decode_attention(q, k, v, spans, extras)
+        for t, span in enumerate(spans):
+            alone = kernels.decode_attention(q[:, :, t : t + 1].contiguous(), k, v, [span],
+                                             [extras[t]] if extras else [])
+            assert torch.equal(together[:, :, t : t + 1], alone)

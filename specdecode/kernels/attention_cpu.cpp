@@ -27,6 +27,14 @@ inline __m256 load8(const at::BFloat16* p) {
 
 using specdecode::lane_sum;
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
 // exp(x) of eight lanes, for x <= 0 (softmax after subtracting the maximum): exp(x) = 2^n exp(r), r = x - n ln 2,
 // exp(r) by a degree-7 polynomial; within ~2 ulp of expf. Lane by lane, so a row's weights do not depend on
 // where its scores sit in a vector.
@@ -47,6 +55,21 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
+// The lane sums of eight vectors at once, each added in lane_sum's order, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
+// (l3 + l7)), so each equals lane_sum of its vector bit for bit. Lane i of the result is the sum of a[2 i] for i < 4,
+// of a[2 (i - 4) + 1] after: the caller orders its vectors so.
+inline __m256 sum8(const __m256* a) {
+  __m256 pair[4];  // pair[p]: lanes i + (i + 4) of a[2 p] in its low half, of a[2 p + 1] in its high half
+  for (int p = 0; p < 4; ++p)
+    pair[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                            _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+  __m256 quad[2];  // (s0 + s2), (s1 + s3) of two pairs' vectors, interleaved per half
+  for (int h = 0; h < 2; ++h)
+    quad[h] = _mm256_add_ps(_mm256_shuffle_ps(pair[2 * h], pair[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm256_shuffle_ps(pair[2 * h], pair[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_hadd_ps(quad[0], quad[1]);
+}
+
 // q . key over D in one chain of fused multiply-adds, then the fixed lane sum: the same operations for every key.
 template <typename T>
 inline float dot(const float* q, const T* key, int64_t D) {
@@ -55,92 +78,136 @@ inline float dot(const float* q, const T* key, int64_t D) {
   return lane_sum(acc);
 }
 
-// One query row of the G heads that share a KV head: per head, softmax(q . k[s] * scale) over the row's slots, then
-// the weighted sum of v[s], all in float32. Slot j of the row is j for j < span, extra[j - span] after.
-// The loops walk the keys and values once for all G heads (a block of keys or a tile of values is read from
-// memory once and used G times from L1) and keep several independent chains in flight, without changing any
-// value's order of operations: each score is its own chain over d, each output lane one chain over the slots in
-// order, the softmax denominator eight lane chains over the slots then the fixed lane sum. So a row's result
-// depends only on its own slots, never on the other rows or heads of the call.
-// q, out: head g at q + g * stride; scores: head g at scores + g * s_stride, s_stride >= count + 8;
-// inv_total: G floats of room.
+// Query rows [t0, t1) of the G heads that share a KV head: per row and head, softmax(q . k[s] * scale) over the
+// row's slots, then the weighted sum of v[s], all in float32. Slot j of row t is j for j < spans[t], extras[t][j -
+// spans[t]] after.
+// The loops walk the keys and values once for all the rows and heads (a block of keys or a tile of values is read
+// from memory once and used by every row and head from L1: a verify forward over long contexts used to read the
+// cache once per row) and keep several independent chains in flight, without changing any value's order of
+// operations: each score is its own chain over d, each output lane one chain over the row's slots in order, the
+// softmax denominator eight lane chains over the slots then the fixed lane sum. So a row's result depends only on
+// its own slots, never on the other rows or heads of the call.
+// Row t, head g: q and out at q + (t - t0) * D + g * stride; its scores at scores + ((t - t0) * G + g) * s_stride,
+// s_stride >= its slots + 8; inv_total: (t1 - t0) * G floats of room.
 template <typename T>
-void attend_group(const float* q, float* out, int64_t stride, int64_t G, const T* k, const T* v, int64_t span,
-                  const std::vector<int64_t>& extra, int64_t D, float scale, float* scores, int64_t s_stride,
-                  float* inv_total) {
-  const int64_t count = span + static_cast<int64_t>(extra.size());
-  auto slot = [&](int64_t j) { return j < span ? j : extra[j - span]; };
-  int64_t j = 0;
-  for (; j + 4 <= count; j += 4) {  // four independent chains; the same per-key operations as dot()
-    const T* k0 = k + slot(j) * D;
-    const T* k1 = k + slot(j + 1) * D;
-    const T* k2 = k + slot(j + 2) * D;
-    const T* k3 = k + slot(j + 3) * D;
+void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T* k, const T* v,
+                 const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras, int64_t t0,
+                 int64_t t1, int64_t D, float scale, float* scores, int64_t s_stride, float* inv_total) {
+  static const std::vector<int64_t> none;
+  const int64_t R = t1 - t0;
+  auto extra = [&](int64_t r) -> const std::vector<int64_t>& { return extras.empty() ? none : extras[t0 + r]; };
+  auto count = [&](int64_t r) { return spans[t0 + r] + static_cast<int64_t>(extra(r).size()); };
+  auto slot = [&](int64_t r, int64_t j) { return j < spans[t0 + r] ? j : extra(r)[j - spans[t0 + r]]; };
+  int64_t shared = spans[t0], longest = 0;  // slots [0, shared) are every row's first ones
+  for (int64_t r = 0; r < R; ++r) shared = std::min(shared, spans[t0 + r]), longest = std::max(longest, count(r));
+  // scores, eight keys at a time (eight independent chains, then one transposed sum that adds each key's lanes
+  // in lane_sum's order: the same bits as dot()): the shared slots once for every row, then each row's own
+  auto eight = [&](int64_t r, int64_t j, const T* const* keys) {
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * stride;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      const float* qg = q + r * D + g * stride;
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qd = load8(qg + d);
-        a0 = _mm256_fmadd_ps(qd, load8(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(qd, load8(k1 + d), a1);
-        a2 = _mm256_fmadd_ps(qd, load8(k2 + d), a2);
-        a3 = _mm256_fmadd_ps(qd, load8(k3 + d), a3);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qd, load8(keys[i] + d), a[i]);
       }
-      float* s = scores + g * s_stride + j;
-      s[0] = lane_sum(a0) * scale, s[1] = lane_sum(a1) * scale, s[2] = lane_sum(a2) * scale, s[3] = lane_sum(a3) * scale;
+      _mm256_storeu_ps(scores + (r * G + g) * s_stride + j, _mm256_mul_ps(sum8(a), _mm256_set1_ps(scale)));
     }
+  };
+  auto slots8 = [&](int64_t r, int64_t j, const T** keys) {  // in sum8's order: lane i of its result is key j + i
+    for (int i = 0; i < 4; ++i) keys[2 * i] = k + slot(r, j + i) * D, keys[2 * i + 1] = k + slot(r, j + 4 + i) * D;
+  };
+  const T* keys[8];
+  int64_t j = 0;
+  for (; j + 8 <= shared; j += 8) {
+    slots8(0, j, keys);  // shared slots: the same for every row
+    for (int64_t r = 0; r < R; ++r) eight(r, j, keys);
   }
-  for (; j < count; ++j)
-    for (int64_t g = 0; g < G; ++g) scores[g * s_stride + j] = dot(q + g * stride, k + slot(j) * D, D) * scale;
-  // per head: weights exp(s - top), eight at a time; the last vector's lanes past `count` are computed, then dropped
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * s_stride;
-    float top = -INFINITY;
-    for (j = 0; j < count; ++j) top = std::max(top, s[j]);
-    const __m256 shift = _mm256_set1_ps(top);
-    __m256 lanes = _mm256_setzero_ps();
-    for (j = 0; j < count; j += 8) {
-      const int64_t live = std::min<int64_t>(8, count - j);
-      for (int64_t i = live; i < 8; ++i) s[j + i] = top;
-      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)),
-                                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      const __m256 w = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift)), keep);
-      _mm256_storeu_ps(s + j, w);
-      lanes = _mm256_add_ps(lanes, w);
+  const int64_t own = j;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = count(r);
+    for (j = own; j + 8 <= n; j += 8) {
+      slots8(r, j, keys);
+      eight(r, j, keys);
     }
-    inv_total[g] = 1.f / lane_sum(lanes);
+    for (; j < n; ++j)
+      for (int64_t g = 0; g < G; ++g)
+        scores[(r * G + g) * s_stride + j] = dot(q + r * D + g * stride, k + slot(r, j) * D, D) * scale;
   }
+  // per row and head: weights exp(s - top), eight at a time; the last vector's lanes past its slots are computed,
+  // then dropped
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t n = count(r);
+      float* s = scores + (r * G + g) * s_stride;
+      float top = -INFINITY;
+      for (j = 0; j < n; ++j) top = std::max(top, s[j]);
+      const __m256 shift = _mm256_set1_ps(top);
+      __m256 lanes = _mm256_setzero_ps();
+      for (j = 0; j < n; j += 8) {
+        const int64_t live = std::min<int64_t>(8, n - j);
+        for (int64_t i = live; i < 8; ++i) s[j + i] = top;
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)),
+                                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        const __m256 w = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift)), keep);
+        _mm256_storeu_ps(s + j, w);
+        lanes = _mm256_add_ps(lanes, w);
+      }
+      inv_total[r * G + g] = 1.f / lane_sum(lanes);
+    }
   // weighted sums of v, unnormalised, into `out`: 64 output lanes (eight chains) per pass, tiles of kSlots slots
-  // read once for all heads; the partial sums wait in `out` between tiles (a store and a load change no bit)
+  // read once for all rows and heads; the partial sums wait in `out` between tiles (a store and a load change no bit)
   constexpr int64_t kSlots = 32;
   int64_t d0 = 0;
   for (; d0 + 64 <= D; d0 += 64)
-    for (int64_t j0 = 0; j0 < count; j0 += kSlots)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* s = scores + g * s_stride;
-        float* o = out + g * stride + d0;
-        __m256 acc[8];
-        for (int c = 0; c < 8; ++c) acc[c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
-        for (j = j0; j < std::min(count, j0 + kSlots); ++j) {
-          const __m256 w = _mm256_set1_ps(s[j]);
-          const T* row = v + slot(j) * D + d0;
-          for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(row + 8 * c), acc[c]);
+    for (int64_t j0 = 0; j0 < longest; j0 += kSlots)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t end = std::min(count(r), j0 + kSlots);
+        if (j0 >= end) continue;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* s = scores + (r * G + g) * s_stride;
+          float* o = out + r * D + g * stride + d0;
+#if defined(__AVX512F__)
+          // sixteen lanes a vector: each lane's multiply-adds are the eight-lane path's, in the same order
+          __m512 acc[4];
+          for (int c = 0; c < 4; ++c) acc[c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + 16 * c);
+          for (j = j0; j < end; ++j) {
+            const __m512 w = _mm512_set1_ps(s[j]);
+            const T* row = v + slot(r, j) * D + d0;
+            for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(w, load16(row + 16 * c), acc[c]);
+          }
+          for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
+#else
+          __m256 acc[8];
+          for (int c = 0; c < 8; ++c) acc[c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
+          for (j = j0; j < end; ++j) {
+            const __m256 w = _mm256_set1_ps(s[j]);
+            const T* row = v + slot(r, j) * D + d0;
+            for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(row + 8 * c), acc[c]);
+          }
+          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+#endif
         }
-        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
       }
   for (; d0 < D; d0 += 8)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* s = scores + g * s_stride;
-      __m256 acc = _mm256_setzero_ps();
-      for (j = 0; j < count; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), load8(v + slot(j) * D + d0), acc);
-      _mm256_storeu_ps(out + g * stride + d0, acc);
-    }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += 8) {
-      float* o = out + g * stride + d;
-      _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(inv_total[g])));
-    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* s = scores + (r * G + g) * s_stride;
+        __m256 acc = _mm256_setzero_ps();
+        for (j = 0; j < count(r); ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), load8(v + slot(r, j) * D + d0), acc);
+        _mm256_storeu_ps(out + r * D + g * stride + d0, acc);
+      }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; d += 8) {
+        float* o = out + r * D + g * stride + d;
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(inv_total[r * G + g])));
+      }
 }
+
+// Rows of one call attended together against one KV head: enough to read the cache once for a verify forward's
+// rows, few enough that a prompt fed as decode rows still splits across the threads.
+constexpr int64_t kRows = 8;
 
 template <typename T>
 void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -152,15 +219,19 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   float* op = out.data_ptr<float>();
-  const std::vector<int64_t> none;
-  // one unit of work: a row of a batch entry against one KV head, for all the query heads that read it
-  at::parallel_for(0, B * Hkv * T_, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(group * (S_max + 8)), inv_total(group);  // per thread, reused by its rows
+  const int64_t chunks = (T_ + kRows - 1) / kRows;
+  int64_t longest = 0;
+  for (size_t t = 0; t < spans.size(); ++t)
+    longest = std::max<int64_t>(longest, spans[t] + (extras.empty() ? 0 : extras[t].size()));
+  // one unit of work: up to kRows rows of a batch entry against one KV head, for all the query heads that read it
+  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(kRows * group * (longest + 8)), inv_total(kRows * group);  // per thread, reused
     for (int64_t i = first; i < last; ++i) {
-      const int64_t b = i / (Hkv * T_), kvh = (i / T_) % Hkv, t = i % T_;
-      const int64_t kv = (b * Hkv + kvh) * S_max * D, row = ((b * H + kvh * group) * T_ + t) * D;
-      attend_group(qp + row, op + row, T_ * D, group, kp + kv, vp + kv, spans[t], extras.empty() ? none : extras[t],
-                   D, scale, scores.data(), S_max + 8, inv_total.data());
+      const int64_t b = i / (Hkv * chunks), kvh = (i / chunks) % Hkv, t0 = (i % chunks) * kRows;
+      const int64_t t1 = std::min(T_, t0 + kRows);
+      const int64_t kv = (b * Hkv + kvh) * S_max * D, row = ((b * H + kvh * group) * T_ + t0) * D;
+      attend_rows(qp + row, op + row, T_ * D, group, kp + kv, vp + kv, spans, extras, t0, t1, D, scale,
+                  scores.data(), longest + 8, inv_total.data());
     }
   });
 }
