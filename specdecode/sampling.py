@@ -24,6 +24,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def greedy_top1(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, vocab] logits -> (each row's argmax [rows, 1], its softmax probability [rows, 1]): a greedy chain
+    drafter's child and confidence, without a softmax over the whole row (on the native kernel for CPU float32)."""
+    logits = logits.float()
+    if logits.dim() == 2 and logits.is_cpu and (kernels := cpu_kernels()) is not None:
+        index, prob = kernels.top1_probs(logits.contiguous())
+        if int(index.min()) >= 0:
+            return index[:, None], prob[:, None]
+    top_probs, top_index = logits.softmax(-1).topk(1, dim=-1)
+    return top_index, top_probs
+
+
 def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., vocab] logits -> [..., vocab] float32 probabilities (greedy: one-hot at the argmax)."""
     logits = logits.float()

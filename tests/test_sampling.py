@@ -19,3 +19,16 @@ def test_greedy_tokens_are_torchs_argmax():
         if vocab > 3:
             logits[4, 3] = float("nan")
         assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+
+
+def test_greedy_top1_is_the_softmax_maximum():
+    """A greedy chain drafter's child and confidence: the argmax and its softmax probability."""
+    from specdecode.sampling import greedy_top1
+
+    torch.manual_seed(1)
+    for vocab in (3, 32784, 151936):
+        logits = torch.randn(4, vocab) * 3
+        index, prob = greedy_top1(logits)
+        ref = logits.softmax(-1).max(-1)
+        assert torch.equal(index[:, 0], logits.argmax(-1))
+        assert torch.allclose(prob[:, 0], ref.values, rtol=1e-5)

@@ -18,7 +18,7 @@ import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.planner import FORWARD_WEIGHT, running_mean
-from specdecode.sampling import to_probs
+from specdecode.sampling import greedy_top1, to_probs
 
 Request = TypeVar("Request")
 
@@ -88,7 +88,9 @@ class GrowsTrees(Drafter):
         """Add the `width` children of each row's node (rows of logits [R, vocab]); -> the new node indices."""
         logits, ids = self._draft_space(logits)  # a subset head stays in its own space: 5x fewer logits
         greedy = ctx.params.greedy
-        if greedy:
+        if greedy and self.width == 1:  # a chain: the argmax and its probability, without the whole softmax
+            top_index, top_probs = greedy_top1(logits)  # [R, 1] each
+        elif greedy:
             probs = logits.float().softmax(-1)
             top_probs, top_index = probs.topk(self.width, dim=-1)  # [R, width]
         else:
@@ -182,8 +184,12 @@ class GrowsTrees(Drafter):
         head_tokens = self.head_tokens
         if head_tokens is None:
             return self._fit_vocab(logits), None
-        known = head_tokens < self.vocab_size
-        return (logits, head_tokens) if bool(known.all()) else (logits[..., known], head_tokens[known])
+        cached = getattr(self, "_known", None)  # (head_tokens, the ids the target has, None: all of them)
+        if cached is None or cached[0] is not head_tokens:
+            known = head_tokens < self.vocab_size
+            cached = self._known = (head_tokens, None if bool(known.all()) else known)
+        known = cached[1]
+        return (logits, head_tokens) if known is None else (logits[..., known], head_tokens[known])
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         size = logits.shape[-1]

@@ -8,6 +8,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -58,4 +61,31 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
     for (int64_t m = first; m < last; ++m) op[m] = row_argmax(xp + m * V, V);
   });
   return out;
+}
+
+// Each row's argmax and the softmax probability of it, 1 / sum(exp(x - max)): what a greedy chain drafter keeps of
+// a draft forward's logits, without a softmax over the whole row (~45 us for a 32k head with torch's operations).
+// The sum runs in one fixed order per row (eight lanes, then the fixed lane sum). A row with a NaN: index -1.
+std::vector<torch::Tensor> top1_probs(const torch::Tensor& x) {
+  auto index = argmax_rows(x);
+  const int64_t M = x.size(0), V = x.size(1);
+  auto prob = torch::empty({M}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int64_t* ip = index.data_ptr<int64_t>();
+  float* pp = prob.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    if (ip[m] < 0) {
+      pp[m] = NAN;
+      continue;
+    }
+    const float* row = xp + m * V;
+    const __m256 top = _mm256_set1_ps(row[ip[m]]);
+    __m256 lanes = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= V; j += 8) lanes = _mm256_add_ps(lanes, specdecode::exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), top)));
+    float total = specdecode::lane_sum(lanes);
+    for (; j < V; ++j) total += std::exp(row[j] - row[ip[m]]);
+    pp[m] = 1.f / total;
+  }
+  return {index, prob};
 }
