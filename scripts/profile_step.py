@@ -16,7 +16,7 @@ over the machine's read bandwidth. This script measures that bandwidth, then, in
     python scripts/profile_step.py --rows 1,4,8 --json bench-results/profile.json
 
 Numbers are medians (forwards) or sums over the run (steps); the machine's bandwidth drifts by tens of percent
-between minutes, which is why it is measured in the same run.
+between minutes, which is why it is read beside every row of the forward table.
 """
 
 from __future__ import annotations
@@ -43,16 +43,20 @@ FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", 
 # --- the machine ---------------------------------------------------------------------------------------------
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> list[float]:
-    """GB/s of a float32 sum over `gib` GiB with the process's threads (each repeat reads it all once)."""
+def read_bandwidth(gib: float = 0.5, repeats: int = 5) -> list[float]:
+    """GB/s of reading `gib` GiB of float32 with the thread team, once per repeat: the kernels' own streaming read
+    (kernels.read_seconds) where it exists, else a torch sum."""
     data = torch.ones(int(gib * 2**30) // 4)
-    data.sum()  # pages touched before timing
-    rates = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        data.sum()
-        rates.append(data.numel() * 4 / (time.perf_counter() - began) / 1e9)
-    return rates
+    kernels = cpu_kernels()
+    read = kernels.read_seconds if hasattr(kernels, "read_seconds") else _sum_seconds
+    read(data)  # pages touched before timing
+    return [data.numel() * 4 / read(data) / 1e9 for _ in range(repeats)]
+
+
+def _sum_seconds(data: torch.Tensor) -> float:
+    began = time.perf_counter()
+    data.sum()
+    return time.perf_counter() - began
 
 
 # --- forwards ------------------------------------------------------------------------------------------------
@@ -135,7 +139,10 @@ def parallel_regions(model: torch.nn.Module, rows: int) -> int:
 def forward_table(name: str, model: torch.nn.Module, args, region_s: float, sizes: list[int]) -> list[dict]:
     rows_out = []
     for rows in sizes:
+        # the bandwidth read right before and right after these forwards: a shared machine's spells last minutes
+        adjacent = read_bandwidth(repeats=3)
         times, split = time_forward(model, args.context, rows, args.repeats)
+        adjacent += read_bandwidth(repeats=3)
         wall = statistics.median(times)
         layers = sum(v for k, v in split.items() if k != "lm head")
         split["rest" if layers else "all but the LM head"] = max(0.0, wall - layers - split["lm head"])
@@ -143,7 +150,7 @@ def forward_table(name: str, model: torch.nn.Module, args, region_s: float, size
         regions = parallel_regions(model, rows)
         rows_out.append({"model": name, "rows": rows, "ms": wall * 1e3, "ms_min": min(times) * 1e3,
                          "ms_max": max(times) * 1e3, "mb_read": {k: v / 1e6 for k, v in nbytes.items()},
-                         "bytes": sum(nbytes.values()), "regions": regions,
+                         "bytes": sum(nbytes.values()), "regions": regions, "bandwidth_gbs": adjacent,
                          "regions_ms": regions * region_s * 1e3, "split_ms": {k: v * 1e3 for k, v in split.items()}})
     return rows_out
 
@@ -157,16 +164,17 @@ def llamacpp_one_token(args) -> dict[str, float]:
             for name, model in (("target", args.target), ("draft (plain decoder)", args.draft))}
 
 
-def print_forwards(rows: list[dict], bandwidth: float, llamacpp: dict[str, float] | None = None) -> None:
-    print(f"\n### Forwards (median of the repeats; floor = bytes read / {bandwidth:.1f} GB/s)\n")
+def print_forwards(rows: list[dict], llamacpp: dict[str, float] | None = None) -> None:
+    print("\n### Forwards (median of the repeats; floor = bytes read / the best bandwidth read beside the row)\n")
     stages = list(dict.fromkeys(stage for r in rows for stage in r["split_ms"]))
-    print("| model | rows | ms (min-max) | MB read (layers + head + KV) | floor ms | share of floor | "
+    print("| model | rows | ms (min-max) | MB read (layers + head + KV) | GB/s beside | floor ms | share of floor | "
           + " | ".join(stages) + " | fork-joins (ms if empty) |")
-    print("|---|---:|---|---|---:|---:|" + "---:|" * len(stages) + "---:|")
+    print("|---|---:|---|---|---:|---:|---:|" + "---:|" * len(stages) + "---:|")
     for r in rows:
         mb = r["mb_read"]
         print(f"| {r['model']} | {r['rows']} | {r['ms']:.2f} ({r['ms_min']:.2f}-{r['ms_max']:.2f}) | "
-              f"{mb['layers']:.0f} + {mb['lm_head']:.0f} + {mb['kv_cache']:.0f} | {r['floor_ms']:.2f} | "
+              f"{mb['layers']:.0f} + {mb['lm_head']:.0f} + {mb['kv_cache']:.0f} | {max(r['bandwidth_gbs']):.0f} | "
+              f"{r['floor_ms']:.2f} | "
               f"{100 * r['share_of_floor']:.0f}% | " + " | ".join(f"{r['split_ms'][s]:.2f}" if s in r["split_ms"] else "-" for s in stages)
               + f" | {r['regions']} ({r['regions_ms']:.2f}) |")
     for name, ms in (llamacpp or {}).items():
@@ -317,7 +325,6 @@ def main() -> None:
 
     flags = [f for f in FLAGS_SHOWN if f in cpu_flags()]
     print(f"{cpu_model()} ({', '.join(flags)}), {torch.get_num_threads()} threads, torch {torch.__version__}")
-    # A shared machine's bandwidth has slow spells: measured before and after the forwards, the best is the floor
     bw = read_bandwidth()
     kernels = cpu_kernels()
     region_s = kernels.parallel_region_seconds(2000) if hasattr(kernels, "parallel_region_seconds") else 0.0
@@ -341,13 +348,13 @@ def main() -> None:
             if args.llamacpp:
                 report["llamacpp_ms"] = llamacpp_one_token(args)
             bw += read_bandwidth()
-            bandwidth = max(bw)
-            for row in report["forwards"]:
-                row["floor_ms"] = row["bytes"] / (bandwidth * 1e9) * 1e3
+            for row in report["forwards"]:  # each row's floor at the best read beside it
+                row["floor_ms"] = row["bytes"] / (max(row["bandwidth_gbs"]) * 1e9) * 1e3
                 row["share_of_floor"] = row["floor_ms"] / row["ms"]
-            print(f"read bandwidth {bandwidth:.1f} GB/s at best ({min(bw):.1f}-{max(bw):.1f} over "
-                  f"{len(bw)} reads of 1 GiB, half before the forwards, half after)")
-            print_forwards(report["forwards"], bandwidth, report.get("llamacpp_ms"))
+                bw += row["bandwidth_gbs"]
+            print(f"read bandwidth {min(bw):.1f}-{max(bw):.1f} GB/s over the run ({len(bw)} reads of 0.5 GiB, "
+                  "six beside each row of the table)")
+            print_forwards(report["forwards"], report.get("llamacpp_ms"))
         report["steps"][method] = step_profile(sd, args)
     print_steps(report["steps"])
     if args.json:

@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("set_layer_profiling", &set_layer_profiling, "reset, then time each stage of the native layers (or stop)");
   m.def("layer_profile", &layer_profile, "[(stage, seconds)] summed since profiling began; first ('calls', n)");
+  m.def("read_seconds", &read_seconds, "seconds to read a float32 tensor once with the thread team");
   m.def("parallel_region_seconds", &parallel_region_seconds, "seconds of one empty fork-join of the thread team",
         py::arg("repeats") = 1000);
 

@@ -77,3 +77,4 @@ torch::Tensor rope_store_at(const torch::Tensor& q, const torch::Tensor& k, cons
 void set_layer_profiling(bool on);
 std::vector<std::pair<std::string, double>> layer_profile();
 double parallel_region_seconds(int64_t repeats);
+double read_seconds(const torch::Tensor& x);

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <immintrin.h>
 
 #include "kernels.h"
 
@@ -46,6 +47,29 @@ std::vector<std::pair<std::string, double>> layer_profile() {
   std::vector<std::pair<std::string, double>> out{{"calls", static_cast<double>(profiled_calls)}};
   for (int i = 0; i < kStages; ++i) out.emplace_back(kStageNames[i], stage_seconds[i]);
   return out;
+}
+
+// Seconds to read `x` (float32) once with the thread team, as the kernels stream weights: each thread a
+// contiguous share, sixteen floats a step in eight independent sums. The machine's read bandwidth, measured the
+// way a forward reads (a stock sum over the same bytes ran 20-40% slower in some spells).
+double read_seconds(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.numel() % 64 == 0,
+              "x: contiguous float32, a multiple of 64 values");
+  const float* p = x.data_ptr<float>();
+  const int64_t blocks = x.numel() / 64;
+  std::atomic<int64_t> sink{0};
+  const auto begin = Clock::now();
+  at::parallel_for(0, blocks, 1024, [&](int64_t first, int64_t last) {
+    __m256 acc[8];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t b = first; b < last; ++b)
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_add_ps(acc[i], _mm256_loadu_ps(p + b * 64 + 8 * i));
+    for (int i = 1; i < 8; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[0]);
+    sink += static_cast<int64_t>(lanes[0] != 0.f);  // keeps the loads
+  });
+  return std::chrono::duration<double>(Clock::now() - begin).count();
 }
 
 // Seconds one empty fork-join of the thread team costs (at::parallel_for over one item per thread): what each
