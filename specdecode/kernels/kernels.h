@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <vector>
@@ -29,10 +30,18 @@ inline torch::Tensor run_alone(const LinearWork& work) {
   return work.done();
 }
 
-// y[:, 16 cg .. 16 cg + 16) += bias: one float add per output, the rounding of adding the bias after the product.
-inline void add_bias(float* y, const float* bias, int64_t M, int64_t N, int64_t cg) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = cg * 16; c < cg * 16 + 16; ++c) y[m * N + c] += bias[c];
+// Channel groups [first, last) of the 16-channel kernels for all M rows of y [M, N]: `tile(cg, m0, rows)` computes
+// rows [m0, m0 + rows), at most `max_rows` at a time; then the bias, one float add per output (the rounding of
+// adding it after the product).
+template <typename Tile>
+inline void run_channel_groups(int64_t first, int64_t last, int64_t M, int64_t N, int64_t max_rows, float* y,
+                               const float* bias, Tile&& tile) {
+  for (int64_t cg = first; cg < last; ++cg) {
+    for (int64_t m = 0; m < M; m += max_rows) tile(cg, m, std::min<int64_t>(max_rows, M - m));
+    if (bias == nullptr) continue;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = cg * 16; c < cg * 16 + 16; ++c) y[m * N + c] += bias[c];
+  }
 }
 
 torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& weight);

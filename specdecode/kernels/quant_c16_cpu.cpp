@@ -326,10 +326,8 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
       prefetch_nta(w.sc + at * (bits == 6 ? 16 : 8) * 16);
       prefetch_nta(w.d + at * 16);
     }
-    for (int64_t cg = first; cg < last; ++cg) {
-      for (int64_t m = 0; m < M; m += kTile) (*fns)[std::min<int64_t>(kTile, M - m) - 1](a, w, cg, m, yp, N);
-      if (bp != nullptr) add_bias(yp, bp, M, N, cg);
-    }
+    run_channel_groups(first, last, M, N, kTile, yp, bp,
+                       [&](int64_t cg, int64_t m, int64_t rows) { (*fns)[rows - 1](a, w, cg, m, yp, N); });
   };
   work.done = [y] { return y; };
   return work;

@@ -220,10 +220,8 @@ LinearWork linear_c16_legacy_work(const torch::Tensor& x, const torch::Tensor& c
       if (w.hi != nullptr) prefetch_nta(w.hi + at * 64);
       prefetch_nta(w.d + at * 16);
     }
-    for (int64_t cg = first; cg < last; ++cg) {
-      for (int64_t m = 0; m < M; m += kTile) (*fns)[std::min<int64_t>(kTile, M - m) - 1](a, w, cg, m, yp, N);
-      if (bp != nullptr) add_bias(yp, bp, M, N, cg);
-    }
+    run_channel_groups(first, last, M, N, kTile, yp, bp,
+                       [&](int64_t cg, int64_t m, int64_t rows) { (*fns)[rows - 1](a, w, cg, m, yp, N); });
   };
   work.done = [y] { return y; };
   return work;
