@@ -35,6 +35,7 @@ from torch import nn
 from specdecode.config import ModelConfig
 from specdecode.kernels import cpu_kernels
 from specdecode.kv_cache import KVCache
+from specdecode.masks import chain_mask
 
 
 class RMSNorm(nn.Module):
@@ -78,6 +79,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+class ModuleEdits:
+    """Counts module assignments anywhere in the process (torch's global registration hook: setattr, ModuleList
+    items, register_module). A decode forward checks its native layers against the linear modules only after
+    one: looking the 168 modules up every forward cost 50-90 us, the caches cold after the weights streamed by."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        torch.nn.modules.module.register_module_module_registration_hook(self._saw)
+
+    def _saw(self, module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+        self.count += 1
+
+
+module_edits = ModuleEdits()
+
+
 def glue_kernels(q: torch.Tensor, k_cache: torch.Tensor):
     """The native kernels where they can do an attention layer's glue: float32 on CPU, head dim a multiple of 8."""
     if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or not q.is_cpu or q.shape[-1] % 8:
@@ -119,6 +136,17 @@ class Part:
     attn_mask: torch.Tensor  # [1, 1, t, S] bool
     logits_from: int = 0  # logits only for rows [logits_from, t)
     decode: bool = True  # rows computed as one-token forwards would (a prompt may go faster without)
+    rows: RowSlots | None = None  # each row's slots where the caller knows them (a chain), else read off the mask
+
+
+def chain_part(tokens: torch.Tensor, cache: KVCache, logits_from: int = 0, decode: bool = True,
+               start: int | None = None) -> Part:
+    """`tokens` [t] as a chain after `start` (default: the cache's length) tokens: row j at position start + j sees
+    slots [0, start + j]. Its rows' slots come with it (reading them off the mask costs a few tensor operations)."""
+    start, count = cache.length if start is None else start, tokens.numel()
+    positions = torch.arange(start, start + count, device=tokens.device)
+    rows = RowSlots(list(range(start + 1, start + count + 1)), [])
+    return Part(tokens, positions, cache, chain_mask(start, count, tokens.device), logits_from, decode, rows)
 
 
 def row_slots(attn_mask: torch.Tensor) -> RowSlots:
@@ -254,6 +282,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._native: tuple[tuple, list | None] = ((), None)  # (the linear modules it was built from, the layers)
+        self._native_edits = -1  # module_edits.count when the linear modules were last compared
 
     @property
     def dtype(self) -> torch.dtype:  # of activations and the KV cache (the embedding may be in blocks)
@@ -296,8 +325,8 @@ class Transformer(nn.Module):
         for part in parts:
             t, start = part.tokens.numel(), part.cache.length
             write_pos = torch.arange(start, start + t, device=part.tokens.device)
-            segments.append(Segment(begin, begin + t, part.cache, write_pos, part.attn_mask,
-                                    row_slots(part.attn_mask) if part.decode else None))
+            rows = (part.rows or row_slots(part.attn_mask)) if part.decode else None
+            segments.append(Segment(begin, begin + t, part.cache, write_pos, part.attn_mask, rows))
             begin += t
         tokens = torch.cat([p.tokens for p in parts])[None]  # [1, N]
         positions = torch.cat([p.positions for p in parts])[None]
@@ -350,13 +379,15 @@ class Transformer(nn.Module):
             return None
         if any(s.rows is None or s.cache.k.dtype != torch.float32 for s in segments):
             return None
-        linears = self._linear_modules()
-        if linears != self._native[0]:
-            self._native = (linears, self._build_native(linears))
+        if self._native_edits != module_edits.count:  # a module was assigned somewhere since the last check
+            linears = self._linear_modules()
+            if linears != self._native[0]:
+                self._native = (linears, self._build_native(linears))
+            self._native_edits = module_edits.count
         return self._native[1]
 
     def _linear_modules(self) -> tuple[nn.Module, ...]:
-        """Every decoder layer's seven linear modules, in order (dictionary lookups: this runs every forward)."""
+        """Every decoder layer's seven linear modules, in order (dictionary lookups: this runs after module edits)."""
         found: list[nn.Module] = []
         for block in self.model.layers._modules.values():
             attn, mlp = block._modules["self_attn"]._modules, block._modules["mlp"]._modules

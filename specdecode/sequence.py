@@ -22,8 +22,8 @@ from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.kv_cache import KVCache
-from specdecode.masks import chain_mask, tree_mask
-from specdecode.model import Part
+from specdecode.masks import tree_mask
+from specdecode.model import Part, chain_part
 from specdecode.planner import MAX_AUTO_NODES, StepPlan
 from specdecode.sampling import make_generator, sample, to_probs
 from specdecode.stats import GenerationStats
@@ -85,8 +85,7 @@ class Sequence:
         """The next prompt tokens to feed (at most `max_rows`); `decode`: as one-token forwards would."""
         n = min(max_rows, self.prompt_left)
         ids = torch.tensor(self.tokens[self.fed : self.fed + n], device=self.device)
-        positions = torch.arange(self.fed, self.fed + n, device=self.device)
-        return Part(ids, positions, self.cache, chain_mask(self.fed, n, self.device), n - 1, decode)
+        return chain_part(ids, self.cache, n - 1, decode, start=self.fed)
 
     def prefilled(self, n: int, logits: torch.Tensor, hidden: torch.Tensor) -> Step | None:
         """`n` prompt tokens went in (logits [1, vocab] of the last, hidden [n, d]); -> the first token's Step once
@@ -142,11 +141,12 @@ class Sequence:
         root and its own ancestors."""
         draft, device = self.draft, self.device
         self._depths = draft.depths()  # [n], once: the positions and the statistics use it
-        start, n = self.cache.length, len(draft)
+        start = self.cache.length
         ids = torch.cat((torch.tensor([self.tokens[-1]], device=device), draft.tokens.to(device)))
+        if draft.is_chain:
+            return chain_part(ids, self.cache)
         positions = start + torch.cat((torch.zeros(1, dtype=torch.long, device=device), self._depths.to(device)))
-        mask = chain_mask(start, n + 1, device) if draft.is_chain else tree_mask(start, draft.parents.to(device))
-        return Part(ids, positions, self.cache, mask)
+        return Part(ids, positions, self.cache, tree_mask(start, draft.parents.to(device)))
 
     def verified(self, logits: torch.Tensor, hidden: torch.Tensor) -> Step:
         """The target's logits [n + 1, vocab] and hidden states [n + 1, d] over verify_part's rows -> the Step."""

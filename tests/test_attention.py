@@ -192,3 +192,15 @@ def test_kernel_attention_rows_together_equal_each_alone(dim, dtype):
             alone = kernels.decode_attention(q[:, :, t : t + 1].contiguous(), k, v, [span],
                                              [extras[t]] if extras else [])
             assert torch.equal(together[:, :, t : t + 1], alone)
+
+
+def test_a_chain_part_carries_the_slots_its_mask_gives():
+    from specdecode.kv_cache import KVCache
+    from specdecode.model import chain_part, row_slots
+
+    cache = KVCache(1, 1, 1, 32, 8, torch.float32, "cpu")
+    cache.truncate(5)
+    part = chain_part(torch.tensor([3, 4, 5]), cache)
+    assert part.positions.tolist() == [5, 6, 7]
+    assert part.rows == row_slots(part.attn_mask)
+    assert chain_part(torch.tensor([1, 2]), cache, start=9).rows == row_slots(chain_mask(9, 2))

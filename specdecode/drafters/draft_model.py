@@ -32,8 +32,7 @@ import torch
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.tree_growth import ForwardTime, GrowsTrees, Node
 from specdecode.kv_cache import bytes_per_token
-from specdecode.masks import chain_mask
-from specdecode.model import Part, prompt_as_decode_rows
+from specdecode.model import Part, chain_part, prompt_as_decode_rows
 
 TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
 # Nodes of a depth fed to the next draft forward in a tree. On a 2-core CPU feeding three cost 16.8 ms against
@@ -148,9 +147,7 @@ class DraftModelDrafter(GrowsTrees):
     def _chain_part(self, tokens: list[int], decode: bool = True) -> Part:
         """A chain of tokens at the next cache positions; the logits of the last one."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device)  # [T]
-        start, count = self.cache.length, ids.numel()
-        positions = torch.arange(start, start + count, device=ids.device)
-        return Part(ids, positions, self.cache, chain_mask(start, count, ids.device), count - 1, decode)
+        return chain_part(ids, self.cache, ids.numel() - 1, decode)
 
     def _ensure_capacity(self, needed: int) -> None:
         if self.cache is None:
