@@ -204,3 +204,20 @@ def test_a_chain_part_carries_the_slots_its_mask_gives():
     assert part.positions.tolist() == [5, 6, 7]
     assert part.rows == row_slots(part.attn_mask)
     assert chain_part(torch.tensor([1, 2]), cache, start=9).rows == row_slots(chain_mask(9, 2))
+
+
+def test_draft_nodes_carry_the_slots_their_mask_gives():
+    """A draft forward's nodes (a depth of a tree, fed after earlier depths) know their rows' slots: the same as
+    reading them off their mask."""
+    from specdecode.drafters.tree_growth import GrowsTrees, Node
+    from specdecode.model import row_slots
+
+    def node(parent, depth, slot=-1):
+        return Node(7, parent, depth, 0.5, 0.5, 0, [], slot)
+
+    # a chain fed at 10, 11 after a 10-token prefix, then a tree whose ancestors were fed at 10 and 13
+    chain = [node(-1, 1, 10), node(0, 2, 11), node(1, 3)]
+    tree = [node(-1, 1, 10), node(-1, 1, 12), node(0, 2, 13), node(2, 3), node(1, 2)]
+    for nodes, expand, start in ((chain, [2], 12), (tree, [3, 4], 14)):
+        _, _, mask, rows = GrowsTrees._place(None, expand, nodes, start, 10, torch.device("cpu"))
+        assert rows == row_slots(mask[None, None])

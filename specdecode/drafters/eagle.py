@@ -291,7 +291,7 @@ class EagleDrafter(GrowsTrees):
         -> their logits [len(expand), draft vocab]."""
         head = self.model
         start = self.cache.length
-        ids, positions, mask = self._place(expand, nodes, start, self.base_length, head.device)
+        ids, positions, mask, _ = self._place(expand, nodes, start, self.base_length, head.device)
         parents = [self.root_hidden[0] if nodes[i].parent < 0 else self.hidden_of[nodes[i].parent] for i in expand]
         embeds = target_embeddings(self.target)(ids[None])[0]
         out = head.step(embeds, torch.stack(parents), positions, self.cache, mask)
