@@ -81,7 +81,7 @@ def cpu_kernels() -> ModuleType | None:
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
-        print("specdecode: building the native CPU kernels for this machine (once, about a minute)...", file=sys.stderr)
+        print("specdecode: building the native CPU kernels for this machine (once, 1-3 minutes)...", file=sys.stderr)
     try:
         with build_lock(build):
             return cpp_extension.load(
