@@ -34,7 +34,7 @@ from specdecode import SamplingParams, SpecDecoder
 from specdecode.kernels import cpu_flags, cpu_kernels, cpu_model
 from specdecode.loading import load_model
 from specdecode.masks import chain_mask
-from specdecode.model import Part
+from specdecode.model import Part  # not chain_part: the script also profiles checkouts from before it
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
@@ -195,21 +195,29 @@ class SelfTimer:
         self.stack: list[list] = []  # [category, began, children's seconds]
         self.undo: list = []
 
+    def enter(self, category: str) -> None:
+        self.stack.append([category, time.perf_counter(), 0.0])
+
+    def leave(self, count: bool = True) -> None:
+        """The innermost category's time since `enter`, less its wrapped callees', goes to it (and, whole, to the
+        callees' share of its caller)."""
+        category, began, children = self.stack.pop()
+        spent = time.perf_counter() - began
+        self.seconds[category] += spent - children
+        self.calls[category] += count
+        if self.stack:
+            self.stack[-1][2] += spent
+
     def wrap(self, owner, attr: str, category: str) -> None:
         original = getattr(owner, attr)
         timer = self
 
         def timed(*a, **kw):
-            timer.stack.append([category, time.perf_counter(), 0.0])
+            timer.enter(category)
             try:
                 return original(*a, **kw)
             finally:
-                cat, began, children = timer.stack.pop()
-                spent = time.perf_counter() - began
-                timer.seconds[cat] += spent - children
-                timer.calls[cat] += 1
-                if timer.stack:
-                    timer.stack[-1][2] += spent
+                timer.leave()
 
         setattr(owner, attr, timed)
         self.undo.append((owner, attr, original))
@@ -223,17 +231,13 @@ class SelfTimer:
             gen = original(*a, **kw)
             sent = None
             while True:
-                timer.stack.append([category, time.perf_counter(), 0.0])
+                timer.enter(category)
                 try:
                     part = gen.send(sent)
                 except StopIteration as done:
                     return done.value
                 finally:
-                    cat, began, children = timer.stack.pop()
-                    spent = time.perf_counter() - began
-                    timer.seconds[cat] += spent - children
-                    if timer.stack:
-                        timer.stack[-1][2] += spent
+                    timer.leave(count=False)
                 sent = yield part
 
         setattr(owner, attr, timed)
@@ -246,8 +250,9 @@ class SelfTimer:
 
 
 def instrument(sd: SpecDecoder, timer: SelfTimer) -> None:
-    """Charge every part of an engine step to a category (instance attributes: nothing else is touched)."""
-    from specdecode import planner, sequence, verify
+    """Charge every part of an engine step to a category: methods of this engine's objects and of their classes,
+    and the verifiers as sequence.py calls them, wrapped until `timer.restore()`."""
+    from specdecode import sequence
     from specdecode.drafters import tree_growth
 
     engine = sd.engine
@@ -270,7 +275,6 @@ def instrument(sd: SpecDecoder, timer: SelfTimer) -> None:
     for cls in {type(engine.drafter)} | {type(getattr(engine.drafter, "draft", None))} - {type(None)}:
         if "drafting" in vars(cls):
             timer.wrap_generator(cls, "drafting", "drafter logic")
-    del planner, verify
 
 
 def prompts(limit: int) -> list[tuple[str, str]]:

@@ -17,7 +17,7 @@ from specdecode.kernels import cpu_kernels
 from specdecode.masks import chain_mask
 from specdecode.quantize import quantize_
 from tiny import tiny_native
-from toy import BigramModel, Cycling, exact_sequence_probs, l1_bound, random_chain
+from toy import BigramModel, Cycling, assert_exact_distribution, exact_sequence_probs, random_chain
 
 WIDE = dict(hidden_size=256, intermediate_size=512)
 CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))
@@ -146,10 +146,7 @@ def test_output_distribution_is_the_targets_with_requests_in_flight(auto):
         outs = run_batch(engine, requests, arrivals=[i % 2, 0, 1, 2])
         for out in outs:
             counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-    total = sum(counts.values())
-    assert set(counts) <= set(exact)
-    l1 = sum(abs(counts.get(seq, 0) / total - p) for seq, p in exact.items())
-    assert l1 < l1_bound(len(exact), total), l1
+    assert_exact_distribution(counts, exact)
 
 
 def test_drafting_turns_off_when_the_batch_is_large(target, draft):

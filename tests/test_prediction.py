@@ -12,7 +12,7 @@ from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
 from test_batch import CPU_LIKE, draft, needs_kernels, target  # noqa: F401 - the tiny models, fixtures there
-from toy import BigramModel, exact_sequence_probs, l1_bound, random_chain
+from toy import BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain
 
 
 def proposed(drafter: PredictionDrafter, tokens: list[int], k: int = 4) -> list[int]:
@@ -104,10 +104,7 @@ def test_output_distribution_is_the_targets_with_a_prediction(batched):
         outs, _ = run(engine, requests, arrivals=[0, 0, 1, 2][:n])
         for out in outs:
             counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-    total = sum(counts.values())
-    assert set(counts) <= set(exact)
-    l1 = sum(abs(counts.get(seq, 0) / total - p) for seq, p in exact.items())
-    assert l1 < l1_bound(len(exact), total), l1
+    assert_exact_distribution(counts, exact)
 
 
 def test_bad_predictions_are_refused_with_a_clear_error():

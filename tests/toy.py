@@ -72,6 +72,15 @@ def l1_bound(num_outcomes: int, num_samples: int, delta: float = 1e-6) -> float:
     return math.sqrt(2 * (num_outcomes * math.log(2) + math.log(1 / delta)) / num_samples)
 
 
+def assert_exact_distribution(counts: dict[tuple, int], exact: dict[tuple, float]) -> None:
+    """The sampled outputs `counts` come from the distribution `exact`: no output outside its support, and an
+    empirical L1 distance under the bound it exceeds with probability < 1e-6."""
+    total = sum(counts.values())
+    assert set(counts) <= set(exact)
+    l1 = sum(abs(counts.get(seq, 0) / total - p) for seq, p in exact.items())
+    assert l1 < l1_bound(len(exact), total), l1
+
+
 class ScriptedTreeDrafter(Drafter):
     """Proposes a tree: at each depth a wrong guess first, then the oracle's token as its sibling, the next depth
     under the right one; so greedy must pick the second child every time."""
