@@ -11,7 +11,8 @@ from pathlib import Path
 
 from specdecode.drafters import (Drafter, DraftModelDrafter, EagleDrafter, HybridDrafter, MedusaDrafter,
                                  NgramDrafter, NoDrafter)
-from specdecode.drafters import draft_model
+from specdecode.drafters import draft_model, recycle
+from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.drafters.hybrid import NGRAM_BRANCHES
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import Models
@@ -62,6 +63,10 @@ def _medusa(models: Models, tree: bool, max_ngram: int) -> MedusaDrafter:
     return MedusaDrafter.load(models.trained, models.target, **({} if tree else {"width": 1}))
 
 
+def _recycle(models: Models, tree: bool, max_ngram: int) -> RecycleDrafter:
+    return RecycleDrafter(models.target.config.vocab_size, width=recycle.TABLE_WIDTH if tree else 1)
+
+
 def _ngram(models: Models, tree: bool, max_ngram: int) -> NgramDrafter:
     return NgramDrafter(max_ngram=max_ngram, branches=NGRAM_BRANCHES if tree else 1)  # siblings cost nothing
 
@@ -73,6 +78,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            _draft_model),
     Method("ngram", "prompt lookup: copies what followed an earlier match of the last tokens", None, "tree", True,
            _ngram),
+    Method("recycle", "token recycling: the target's own earlier top guesses after each token, grown into a tree",
+           None, "tree", True, _recycle),
     Method("hybrid", "prompt lookup where it pays, else the draft model (the default)", "model", "chain", False,
            lambda models, tree, max_ngram: HybridDrafter(_draft_model(models, tree, max_ngram), max_ngram)),
     Method("eagle", "a trained EAGLE head over the target's features drafts a tree", "eagle", "tree", True, _eagle),

@@ -100,6 +100,7 @@ class Sequence:
         token = int(probs.argmax()) if self.params.greedy else int(sample(probs, self.generator))
         if not self.keep_hidden:
             self.hidden = hidden[-1:]
+        self._show_target(torch.tensor(self.tokens[-1:]), logits[-1:])
         stats = self.stats
         stats.ttft_s = time.perf_counter() - self.started
         step = self._finish([token], 0, 0)
@@ -169,6 +170,7 @@ class Sequence:
             self._hold(rows)
         else:
             self.hidden = rows
+        self._show_target(torch.cat((torch.tensor(self.tokens[-1:]), draft.tokens.cpu())), logits)
         if self.proposed:  # a drafter that was not asked has nothing to roll back or learn from
             self.drafter.commit(draft.as_proposed(accepted), draft.origin)
             if self.prediction is not None:
@@ -187,6 +189,11 @@ class Sequence:
             del self.tokens[-dropped:]
             self.stats.new_tokens -= dropped
         self.finish_reason = "stop"
+
+    def _show_target(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """A drafter that learns from the target's guesses (token recycling) gets each row's likeliest next tokens."""
+        if k := self.drafter.target_topk:
+            self.drafter.saw_target(tokens, logits.topk(k, dim=-1).indices)
 
     def _hold(self, rows: torch.Tensor) -> None:
         self.hidden = rows if self.hidden is None else torch.cat((self.hidden, rows))

@@ -6,6 +6,7 @@ import torch
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.engine import Engine
 from specdecode.masks import chain_mask
 from specdecode.planner import Planner, best_count
@@ -55,6 +56,8 @@ def drafters(target):
         "draft-model-subset-head": subset_head_drafter(1, width=2),
         "ngram": NgramDrafter(),
         "ngram-tree": NgramDrafter(branches=4),
+        "recycle": RecycleDrafter(64),
+        "recycle-chain": RecycleDrafter(64, width=1),
         "draft-model-tree": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, width=3),
         "self-draft-tree": DraftModelDrafter(target, vocab_size=64, width=2),
         "scripted-tree": ScriptedTreeDrafter(lambda toks, k: full[len(toks): len(toks) + k], vocab=64),

@@ -125,6 +125,7 @@ class Drafter:
     forward_s: float = 0.0  # its running seconds per forward (the planner's estimate of a catch-up)
     drafting_s: float = 0.0  # what its last draft cost, catching up excluded
     cache_bytes_per_token: int = 0  # what its own KV cache holds per token of context (in the engine's KV budget)
+    target_topk: int = 0  # the target's likeliest next tokens it learns from after every forward (`saw_target`)
 
     @property
     def forward_model(self) -> torch.nn.Module | None:
@@ -166,6 +167,10 @@ class Drafter:
 
     def forward_took(self, seconds: float) -> None:
         """One of its forwards (its share, when batched with other requests') took `seconds`."""
+
+    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor) -> None:
+        """After the target's forward over `tokens` [rows] (the root and the draft nodes it verified, whether or
+        not this drafter proposed them): its `target_topk` likeliest next tokens after each row [rows, k]."""
 
     def sat_out(self, ctx: DraftContext) -> None:
         """Another drafter proposed this step in its place (hybrid): keep what it will need later."""
