@@ -21,6 +21,7 @@ import torch
 from specdecode.budget import CostCurve, load_or_measure
 from specdecode.config import SamplingParams
 from specdecode.drafters import Drafter
+from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB, open_pool
 from specdecode.engine import Engine, Step
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, load_models, plan_load
@@ -39,6 +40,7 @@ class TextChunk:
     token_ids: list[int]
     from_draft: list[bool]  # per token: proposed by the drafter and accepted by the target
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+    drafted_by: list[str | None] = field(default_factory=list)  # per token: which drafter proposed it (None: not)
 
     @property
     def text(self) -> str:
@@ -68,7 +70,8 @@ class SpecDecoder:
              max_len: int = 8192, max_ngram: int = 3, quantize: str = "none",
              draft_quantize: str = "auto", weights: str = "auto", draft_shape: str | None = None,
              draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None,
-             draft_adapter: str | None = None) -> SpecDecoder:
+             draft_adapter: str | None = None, suffix_pool_mb: float = DEFAULT_POOL_MB,
+             suffix_pool: str | None = None) -> SpecDecoder:
         """`weights` = 'auto' runs a GGUF file's quantized blocks as stored on CPU (the model llama.cpp runs),
         'float' de-quantizes it to `dtype`. `quantize` writes a float target in blocks (q8_0, q4_k; the output
         stays exact for that target); `draft_quantize` only changes how good and how cheap the guesses are.
@@ -79,7 +82,9 @@ class SpecDecoder:
         `draft_vocab_corpus` (jsonl files) or on the instruction data shipped for the vocabulary.
         Methods `eagle`, `hybrid-eagle` and `medusa` take `draft` = the folder `specdecode train` wrote for this
         target;
-        `draft_adapter` = a LoRA adapter folder (`specdecode train draft`) applied to the draft model."""
+        `draft_adapter` = a LoRA adapter folder (`specdecode train draft`) applied to the draft model.
+        `suffix_pool_mb`, `suffix_pool`: the memory of earlier answers suffix decoding copies from, and a file
+        that keeps it across runs."""
         how = get_method(method)
         shape = shape_of(method, draft_shape)
         trained = trained_folder(method, draft)
@@ -91,6 +96,8 @@ class SpecDecoder:
             raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         plan = plan_load(target, draft, dtype, device, quantize, draft_quantize, weights)
         models = load_models(target, draft, plan, device, draft_adapter, draft_vocab, draft_vocab_corpus, trained)
+        if how.remembers:
+            models.suffix_pool = open_pool(suffix_pool_mb, suffix_pool, models.tokenizer)
         drafter = build_drafter(method, models, shape, max_ngram)
         k = num_draft_tokens if how.drafts else 0
         costs = verify_costs(models.target, target, plan, device) if k is None else None
@@ -160,7 +167,7 @@ def text_chunk(text: TextStream, step: Step) -> TextChunk:
     reason = "stop" if text.stopped else step.finish_reason
     if reason is not None and pieces:
         pieces[-1] += text.flush()
-    return TextChunk(pieces, step.tokens[:kept], flags, reason)
+    return TextChunk(pieces, step.tokens[:kept], flags, reason, [step.drafter if f else None for f in flags])
 
 
 def verify_costs(model: torch.nn.Module, target: str, plan: LoadPlan, device: str) -> CostCurve:

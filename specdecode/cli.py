@@ -53,7 +53,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{s.nodes_per_step:.1f} ({s.draft_budget}), acceptance {s.acceptance_rate:.1%}, "
           f"TTFT {s.ttft_s * 1000:.0f} ms"
           + (f", prediction tokens accepted {s.accepted_prediction_tokens} of {s.prediction_tokens}"
-             if s.prediction_tokens is not None else "") + (" — green: accepted draft tokens" if color else ""),
+             if s.prediction_tokens is not None else "")
+          + (", accepted by drafter: " + ", ".join(f"{name} {a}/{d}" for name, (d, a) in s.by_drafter.items())
+             if len(s.by_drafter) > 1 else "") + (" — green: accepted draft tokens" if color else ""),
           file=sys.stderr)
     return 0
 

@@ -9,6 +9,7 @@ import argparse
 from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdecode.config import SamplingParams
 from specdecode.methods import DEFAULT_METHOD, METHODS, SHAPES
+from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB
 from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
 
 
@@ -33,6 +34,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_weight_args(p)
     p.add_argument("--max-len", type=int, default=8192, help="context window to allocate (tokens)")
+    p.add_argument("--suffix-pool-mb", type=float, default=DEFAULT_POOL_MB, metavar="MB",
+                   help="--method suffix or hybrid: memory for earlier answers they copy from (oldest leave first)")
+    p.add_argument("--suffix-pool", default=None, metavar="PATH",
+                   help="--method suffix or hybrid: keep the earlier answers in this file across runs (read at start, "
+                        "written atomically while serving and at exit)")
 
 
 def add_weight_args(p: argparse.ArgumentParser) -> None:
@@ -67,7 +73,7 @@ def decoder_kwargs(args: argparse.Namespace) -> dict:
                 dtype=args.dtype, device=args.device, max_len=args.max_len, quantize=args.quantize,
                 draft_quantize=args.draft_quantize, weights=args.weights, draft_shape=args.draft_shape,
                 draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,
-                draft_adapter=args.draft_adapter)
+                draft_adapter=args.draft_adapter, suffix_pool_mb=args.suffix_pool_mb, suffix_pool=args.suffix_pool)
 
 
 def load_decoder(args: argparse.Namespace):

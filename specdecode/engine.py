@@ -149,6 +149,8 @@ class Engine:
             self.running.remove(seq)
             del self.reserved[seq]
             self.planner.leave(seq)
+            if seq.finish_reason is not None:
+                seq.drafter.finished(seq.tokens[seq.stats.prompt_tokens :])
 
     def stop(self, seq: Sequence, dropped: int) -> None:
         """A stop string one layer up ended `seq` inside its last step: its last `dropped` tokens are not output."""

@@ -73,7 +73,8 @@ class HFModel(nn.Module):
         feature_layers: tuple[int, ...] = (),  # as Transformer.forward
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start, count = cache.length, tokens.shape[1]
-        if attn_mask.shape[-1] != start + count or not bool(attn_mask[..., start:].tril().eq(attn_mask[..., start:]).all()):
+        block = attn_mask[..., start:]  # a chain sees every earlier new row: a full lower triangle, nothing else
+        if attn_mask.shape[-1] != start + count or not bool(block.eq(block.new_ones(count, count).tril()).all()):
             raise SpecdecodeError("tree drafts need the native model; this architecture runs through transformers")
         cache.dynamic.crop(start)
         out = self.model(

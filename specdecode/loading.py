@@ -170,6 +170,7 @@ class Models:
     draft: torch.nn.Module | None = None  # the draft model, for methods that run one
     draft_head_tokens: torch.Tensor | None = None  # the vocabulary id of each logit of its cut LM head
     trained: str | None = None  # the folder `specdecode train` wrote, for methods that run a trained head
+    suffix_pool: Any = None  # earlier answers suffix decoding drafts from (drafters/suffix_pool.py); None: a fresh one
 
 
 def load_models(target: str, draft: str | None, plan: LoadPlan, device: str = "cpu", adapter: str | None = None,

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from specdecode.drafters import (Drafter, DraftModelDrafter, EagleDrafter, HybridDrafter, MedusaDrafter,
                                  NgramDrafter, NoDrafter)
-from specdecode.drafters import draft_model, recycle
+from specdecode.drafters import draft_model, recycle, suffix
+from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.drafters.hybrid import NGRAM_BRANCHES
 from specdecode.errors import SpecdecodeError
@@ -31,6 +33,7 @@ class Method:
     default_shape: str  # "chain" or "tree" when --draft-shape is not given
     shaped: bool  # whether --draft-shape changes it (the benchmark can run NAME-chain and NAME-tree side by side)
     build: Callable[[Models, bool, int], Drafter]  # (models, tree?, max_ngram) -> the drafter
+    remembers: bool = False  # drafts from earlier answers (Models.suffix_pool, --suffix-pool-mb, --suffix-pool)
 
     @property
     def drafts(self) -> bool:
@@ -67,6 +70,33 @@ def _recycle(models: Models, tree: bool, max_ngram: int) -> RecycleDrafter:
     return RecycleDrafter(models.target.config.vocab_size, width=recycle.TABLE_WIDTH if tree else 1)
 
 
+def _suffix(models: Models, tree: bool, max_ngram: int) -> SuffixDrafter:
+    return SuffixDrafter(models.suffix_pool, branches=suffix.MAX_CONTINUATIONS if tree else 1)
+
+
+def _hybrid(models: Models, tree: bool, max_ngram: int) -> HybridDrafter:
+    # Copiers cost well under a millisecond a step, so all of them look and the best is valued against the model;
+    # they draft trees whatever the model's shape, where the target verifies trees. Token recycling is left out:
+    # the target's top-k it needs costs every step, and measured it paid less than the suffix pool (BENCHMARKS.md).
+    trees = verifies_trees(models)
+    return HybridDrafter(_draft_model(models, tree, max_ngram), max_ngram, (_suffix(models, trees, max_ngram),),
+                         copy_trees=trees)
+
+
+def _lookahead(models: Models, tree: bool, max_ngram: int) -> LookaheadDrafter:
+    if not verifies_trees(models):  # its window and its pool's n-grams are siblings under the root
+        raise SpecdecodeError("--method lookahead needs the native model's tree attention; this architecture runs "
+                              "through transformers (use ngram or suffix)")
+    return LookaheadDrafter()
+
+
+def verifies_trees(models: Models) -> bool:
+    """Can the target verify a tree (the native model; a transformers model verifies chains)?"""
+    from specdecode.model import Transformer
+
+    return isinstance(models.target, Transformer)
+
+
 def _ngram(models: Models, tree: bool, max_ngram: int) -> NgramDrafter:
     return NgramDrafter(max_ngram=max_ngram, branches=NGRAM_BRANCHES if tree else 1)  # siblings cost nothing
 
@@ -80,8 +110,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            _ngram),
     Method("recycle", "token recycling: the target's own earlier top guesses after each token, grown into a tree",
            None, "tree", True, _recycle),
-    Method("hybrid", "prompt lookup where it pays, else the draft model (the default)", "model", "chain", False,
-           lambda models, tree, max_ngram: HybridDrafter(_draft_model(models, tree, max_ngram), max_ngram)),
+    Method("lookahead", "lookahead decoding: a Jacobi window rides in the verify forward; the n-grams the target "
+           "endorses on it are drafted", None, "tree", False, _lookahead),
+    Method("suffix", "suffix decoding: the most frequent continuations of the longest match, in this request and "
+           "in earlier answers (a pool shared by the server's requests)", None, "tree", True, _suffix, remembers=True),
+    Method("hybrid", "each step the drafter expected to pay most: prompt lookup, suffix decoding or the draft "
+           "model (the default)", "model", "chain", False, _hybrid, remembers=True),
     Method("eagle", "a trained EAGLE head over the target's features drafts a tree", "eagle", "tree", True, _eagle),
     Method("medusa", "trained Medusa heads draft a static tree", "medusa", "tree", False, _medusa),
     Method("hybrid-eagle", "prompt lookup where it pays, else a trained EAGLE head", "eagle", "tree", False,
@@ -108,9 +142,7 @@ def shape_of(name: str, shape: str | None) -> str:
 def build_drafter(name: str, models: Models, shape: str | None = None, max_ngram: int = 3) -> Drafter:
     """The drafter of method `name` over loaded models (a tree needs the native model's tree attention: a
     transformers model verifies chains)."""
-    from specdecode.model import Transformer
-
-    tree = shape_of(name, shape) == "tree" and isinstance(models.target, Transformer)
+    tree = shape_of(name, shape) == "tree" and verifies_trees(models)
     return get_method(name).build(models, tree, max_ngram)
 
 

@@ -111,18 +111,35 @@ class StepPlan:
         grown = spent + forward_s + costs.cost(rows + n + 1)
         return (expected + best_score) / grown > expected / now
 
-    def copy_pays(self, copy_scores: list[float], max_tokens: int, model: Record) -> bool:
-        """hybrid: is a copied draft (node scores) worth at least the model's record in this request?"""
+    def copy_value(self, copy_scores: list[float], max_tokens: int) -> float:
+        """What a copied draft (node scores) is worth: tokens per second of verifying its best nodes (0: none
+        pay). With a fixed size (no curve): its first node's score."""
         costs = self.costs
         if costs is None:
-            return copy_scores[0] >= COPY_MIN_SCORE
+            return copy_scores[0] if copy_scores else 0.0
         ranked = sorted(copy_scores, reverse=True)[:max_tokens]
         n = best_count(costs, ranked)
-        if n == 0:
+        return (1.0 + sum(ranked[:n])) / costs.cost(n + 1) if n else 0.0
+
+    def copy_pays(self, copy_scores: list[float], max_tokens: int, model: Record) -> bool:
+        """hybrid: is a copied draft (node scores) worth at least the model's record in this request?"""
+        return self.copy_beats(self.copy_value(copy_scores, max_tokens), model)
+
+    def copy_beats(self, copy_value: float, model: Record) -> bool:
+        """Is a copied draft worth `copy_value` (as copy_value measures) at least the model's record in this request?"""
+        if self.costs is None:
+            return copy_value >= COPY_MIN_SCORE
+        if copy_value == 0.0:
             return False
-        copy_rate = (1.0 + sum(ranked[:n])) / costs.cost(n + 1)
-        model_rate = PRIOR_SPEEDUP / costs.cost(1) if model.seconds == 0.0 else model.tokens / model.seconds
-        return copy_rate >= model_rate
+        model_rate = PRIOR_SPEEDUP / self.costs.cost(1) if model.seconds == 0.0 else model.tokens / model.seconds
+        return copy_value >= model_rate
+
+    def beats_plain(self, record: Record) -> bool:
+        """Does a drafter with this record in the request make more tokens per second than plain decoding (yes
+        before its first step, or without a cost curve)?"""
+        if self.costs is None or record.seconds == 0.0:
+            return True
+        return record.tokens / record.seconds >= 1.0 / self.costs.cost(1)
 
     def step_seconds(self, drafting_s: float, rows: int) -> float:
         """What a drafted step cost: its drafting plus a verify forward over `rows` (0 without a curve)."""

@@ -25,7 +25,7 @@ from specdecode.kv_cache import KVCache
 from specdecode.masks import tree_mask
 from specdecode.model import Part, chain_part
 from specdecode.planner import MAX_AUTO_NODES, StepPlan
-from specdecode.sampling import make_generator, sample, to_probs
+from specdecode.sampling import greedy_tokens, make_generator, sample, to_probs
 from specdecode.stats import GenerationStats
 from specdecode.verify import verify_chain, verify_tree
 
@@ -36,6 +36,7 @@ class Step:
     num_drafted: int
     num_accepted: int  # the first num_accepted of `tokens` (or fewer, after a cut) came from the draft
     finish_reason: str | None  # None, "stop" (EOS) or "length" (max_new_tokens or context)
+    drafter: str | None = None  # who proposed the accepted tokens (Drafter.proposer), None without a draft
 
 
 class Sequence:
@@ -170,15 +171,17 @@ class Sequence:
             self._hold(rows)
         else:
             self.hidden = rows
-        self._show_target(torch.cat((torch.tensor(self.tokens[-1:]), draft.tokens.cpu())), logits)
+        self._show_target(torch.cat((torch.tensor(self.tokens[-1:]), draft.tokens.cpu())), logits, draft.origin)
         if self.proposed:  # a drafter that was not asked has nothing to roll back or learn from
             self.drafter.commit(draft.as_proposed(accepted), draft.origin)
             if self.prediction is not None:
                 self.stats.accepted_prediction_tokens = self.prediction.accepted
         step = self._finish(verdict.emitted.tolist(), len(draft), len(accepted))
+        step.drafter = self.drafter.proposer if len(draft) else None
         now = time.perf_counter()
         self.stats.record_step(len(draft), len(accepted), len(step.tokens), now - self.step_started,
-                               depth=int(self._depths.max()) if len(draft) else 0)
+                               depth=int(self._depths.max()) if len(draft) else 0,
+                               drafter=step.drafter, draft_s=self.draft_seconds)
         self.stats.wall_s = now - self.started
         return step
 
@@ -190,10 +193,12 @@ class Sequence:
             self.stats.new_tokens -= dropped
         self.finish_reason = "stop"
 
-    def _show_target(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """A drafter that learns from the target's guesses (token recycling) gets each row's likeliest next tokens."""
+    def _show_target(self, tokens: torch.Tensor, logits: torch.Tensor, proposed: list[int] | None = None) -> None:
+        """A drafter that learns from the target's guesses (token recycling, lookahead) gets each row's likeliest
+        next tokens (one: the argmax the greedy verifier computes too)."""
         if k := self.drafter.target_topk:
-            self.drafter.saw_target(tokens, logits.topk(k, dim=-1).indices)
+            top = greedy_tokens(logits)[:, None] if k == 1 else logits.topk(k, dim=-1).indices
+            self.drafter.saw_target(tokens, top, proposed)
 
     def _hold(self, rows: torch.Tensor) -> None:
         self.hidden = rows if self.hidden is None else torch.cat((self.hidden, rows))

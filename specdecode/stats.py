@@ -30,6 +30,9 @@ class GenerationStats:
     drafted_at: list[int] = field(default_factory=list)  # [depth - 1] times a draft reached this depth
     accepted_at: list[int] = field(default_factory=list)  # [depth - 1] times a node at this depth was accepted
     tree_steps: int = 0  # steps whose draft was a tree with more than one node at some depth
+    draft_s: float = 0.0  # time spent proposing drafts, over every decode step
+    # Which drafter proposed (hybrid chooses one per step): drafter name -> [drafted, accepted] tokens
+    by_drafter: dict[str, list[int]] = field(default_factory=dict)
     prediction_tokens: int | None = None  # Predicted Outputs: the prediction's length (None: none was given)
     accepted_prediction_tokens: int = 0  # of it, tokens the target accepted as drafted
     draft_budget: int | str = 0  # the request's draft size: a number of tokens, or "auto" (chosen per step)
@@ -40,10 +43,12 @@ class GenerationStats:
     token_latencies_s: list[float] = field(default_factory=list)  # per token after the first: step time / tokens
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, seconds: float,
-                    depth: int | None = None) -> None:
-        """`depth`: the draft's deepest node (a chain's length, the default)."""
+                    depth: int | None = None, drafter: str | None = None, draft_s: float = 0.0) -> None:
+        """`depth`: the draft's deepest node (a chain's length, the default); `drafter`: who proposed;
+        `draft_s`: what proposing took."""
         depth = num_drafted if depth is None else depth
         self.target_forwards += 1
+        self.draft_s += draft_s
         self.new_tokens += num_emitted
         self.step_latencies_s.append(seconds)
         if num_emitted:
@@ -53,6 +58,10 @@ class GenerationStats:
             self.drafted_tokens += num_drafted
             self.accepted_tokens += num_accepted
             self.tree_steps += depth < num_drafted
+            if drafter is not None:
+                counts = self.by_drafter.setdefault(drafter, [0, 0])
+                counts[0] += num_drafted
+                counts[1] += num_accepted
             grow = depth - len(self.drafted_at)
             if grow > 0:
                 self.drafted_at.extend([0] * grow)
@@ -110,6 +119,8 @@ class GenerationStats:
             "nodes_per_step": self.nodes_per_step,
             "accepted_path_length": self.accepted_path_length,
             "tree_steps": self.tree_steps,
+            "draft_s": self.draft_s,
+            "by_drafter": {name: {"drafted": d, "accepted": a} for name, (d, a) in self.by_drafter.items()},
             "draft_budget": self.draft_budget,
             "prediction_tokens": self.prediction_tokens,
             "accepted_prediction_tokens": self.accepted_prediction_tokens,

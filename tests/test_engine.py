@@ -6,7 +6,10 @@ import torch
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.recycle import RecycleDrafter
+from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.drafters.suffix_pool import SuffixPool
 from specdecode.engine import Engine
 from specdecode.masks import chain_mask
 from specdecode.planner import Planner, best_count
@@ -58,6 +61,8 @@ def drafters(target):
         "ngram-tree": NgramDrafter(branches=4),
         "recycle": RecycleDrafter(64),
         "recycle-chain": RecycleDrafter(64, width=1),
+        "suffix": SuffixDrafter(SuffixPool(1)),
+        "lookahead": LookaheadDrafter(),
         "draft-model-tree": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, width=3),
         "self-draft-tree": DraftModelDrafter(target, vocab_size=64, width=2),
         "scripted-tree": ScriptedTreeDrafter(lambda toks, k: full[len(toks): len(toks) + k], vocab=64),

@@ -59,3 +59,12 @@ def test_sizes_a_request_gets():
     assert Planner.served_size(None, None, seeded) == SEEDED_NUM_DRAFT_TOKENS  # reproducible beside other requests
     assert Planner.served_size(2, None, seeded) == 2
     assert Planner.served_size(None, None, SamplingParams(seed=1)) is None  # greedy: automatic stays
+
+
+def test_a_record_beats_plain_decoding_when_its_tokens_come_faster_than_one_a_forward():
+    plan = StepPlan(CostCurve((1.0, 1.1, 1.2, 1.3)))
+    assert plan.beats_plain(Record()) and FIXED.beats_plain(Record())  # no record, or no curve: draft
+    slow, fast = Record(), Record()
+    slow.add(tokens=1.1, seconds=1.2)
+    fast.add(tokens=2.0, seconds=1.3)
+    assert not plan.beats_plain(slow) and plan.beats_plain(fast)

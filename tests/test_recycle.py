@@ -11,22 +11,15 @@ from specdecode.drafters.base import DraftContext
 from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.engine import Engine
 from specdecode.kernels import cpu_kernels
-from specdecode.planner import Planner
 from specdecode.quantize import quantize_
 from tiny import tiny_native
-from toy import BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain
+from toy import DRAFTER_PROMPTS, BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain, tokens_of
 
 CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))
-PROMPTS = [[1, 2, 3, 4, 1, 2, 3], list(range(5, 30)), [7, 7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+PROMPTS = DRAFTER_PROMPTS
 
 
-@pytest.fixture(autouse=True)
-def costs_as_given(monkeypatch):
-    monkeypatch.setattr(Planner, "observe", lambda self, rows, seconds: None)
-
-
-def tokens_of(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
-    return [t for step in engine.generate(prompt, params) for t in step.tokens]
+pytestmark = pytest.mark.usefixtures("costs_as_given")
 
 
 def test_a_tree_grows_best_first_from_the_targets_recorded_guesses():
@@ -35,11 +28,12 @@ def test_a_tree_grows_best_first_from_the_targets_recorded_guesses():
                                                               [4, 7] + [0] * 6]))
     draft = drafter.propose(DraftContext([9, 1], SamplingParams(), None), max_tokens=4)
     draft.check()
-    # best first by the product of the prior rates along the path: 2 (0.4), 3 (0.16), 1's runner-up 5 (0.15), 4
-    assert draft.tokens.tolist() == [2, 3, 5, 4] and draft.parents.tolist() == [-1, 0, -1, 1]
+    # best first by the product of the prior rates along the path: 2 (0.3), 1's runner-up 5 (0.1), 3 (0.09),
+    # 2's runner-up 6 (0.03) before 3's child 4 (0.027)
+    assert draft.tokens.tolist() == [2, 5, 3, 6] and draft.parents.tolist() == [-1, -1, 0, 0]
     assert draft.scores == sorted(draft.scores, reverse=True)
     before = drafter.hits[0] / drafter.tried[0]
-    drafter.commit([0, 1], verified=[0, 1, 2, 3])  # 2 and 3 accepted, 5 and 4 rejected
+    drafter.commit([0, 2], verified=[0, 1, 2, 3])  # 2 and 3 accepted, 5 and 6 rejected
     assert drafter.hits[0] / drafter.tried[0] > before
     assert drafter.propose(DraftContext([9, 8], SamplingParams(), None), 4).tokens.numel() == 0  # 8: never seen
     assert drafter.fork().table is drafter.table  # requests of one engine share what the target said
@@ -69,8 +63,7 @@ def test_greedy_is_token_identical_in_a_batch():
         assert out == tokens_of(Engine(target, NoDrafter()), prompt, params)
 
 
-@pytest.mark.parametrize("in_flight", [1, 4])
-@pytest.mark.parametrize("auto", [False, True])
+@pytest.mark.parametrize("auto,in_flight", [(False, 1), (True, 4)])  # a fixed size alone, the planner's in a batch
 def test_output_distribution_is_the_targets(auto, in_flight):
     """A Markov-chain target: the table fills with its top guesses (right and wrong ones), trees of point masses
     are verified; alone and with other requests in the same forwards; chi-by-L1 bound."""

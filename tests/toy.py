@@ -132,3 +132,11 @@ class Cycling(Drafter):
 
     def fork(self) -> Drafter:
         return next(self.makers)()
+
+
+DRAFTER_PROMPTS = [[1, 2, 3, 4, 1, 2, 3], list(range(5, 30)), [7, 7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+
+
+def tokens_of(engine, prompt: list[int], params) -> list[int]:
+    """Every token an engine generates for one prompt."""
+    return [t for step in engine.generate(prompt, params) for t in step.tokens]

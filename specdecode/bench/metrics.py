@@ -8,7 +8,7 @@ Definitions (the JSON schema in docs/bench.md repeats them):
 - mean_accepted_length: tokens emitted per target forward after the first (prefill) forward, bonus token included;
   plain decoding scores 1.0. acceptance_rate and acceptance_per_position (by depth) count draft tokens, ours only;
   nodes_per_step: draft tokens verified per step that drafted (a tree's nodes); the step's accepted path is
-  mean_accepted_length - 1 tokens long.
+  mean_accepted_length - 1 tokens long. draft_ms_per_step: time proposing, over every decode step.
 - itl_s_p50/p95: over every token after the first of every generation (a step's time split over its tokens).
 """
 
@@ -88,12 +88,30 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
         "acceptance_rate": sum(t.accepted_tokens for t in reported) / drafted if drafted else None,
         "acceptance_per_position": per_position(reported) if drafted else None,
         "nodes_per_step": drafted / drafts if (drafts := sum(t.drafts or 0 for t in reported)) else None,
+        "draft_ms_per_step": _draft_ms_per_step(turns),
         "ttft_s_mean": _mean(ttfts),
         "ttft_s_p50": _percentile(ttfts, 50),
         "itl_s_p50": _percentile(latencies, 50),
         "itl_s_p95": _percentile(latencies, 95),
         "peak_memory_bytes": max(memory) if memory else None,
+        "accepted_by_drafter": by_drafter(turns),
     }
+
+
+def _draft_ms_per_step(turns: list) -> float | None:
+    """Milliseconds spent proposing a draft, per decode step (steps without one count, at their cost)."""
+    timed = [t for t in turns if t.draft_s is not None]
+    steps = sum(t.decode_forwards for t in timed)
+    return 1000 * sum(t.draft_s for t in timed) / steps if steps else None
+
+
+def by_drafter(turns: Iterable) -> dict[str, int]:
+    """Accepted draft tokens by the drafter that proposed them (hybrid chooses one per step), most first."""
+    accepted: dict[str, int] = {}
+    for t in turns:
+        for name, (_, a) in getattr(t, "by_drafter", {}).items():
+            accepted[name] = accepted.get(name, 0) + a
+    return dict(sorted(accepted.items(), key=lambda item: -item[1]))
 
 
 def per_position(turns: Iterable) -> list[float]:

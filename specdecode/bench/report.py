@@ -87,6 +87,7 @@ def _run_record(run: Run) -> dict[str, Any]:
                 "decode_forwards": t.decode_forwards,
                 "drafted_tokens": t.drafted_tokens, "drafts": t.drafts,
                 "accepted_tokens": t.accepted_tokens,
+                "by_drafter": t.by_drafter, "draft_s": t.draft_s,
                 "peak_memory_bytes": t.peak_memory_bytes,
                 "token_ids": t.token_ids,
             }
@@ -110,14 +111,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"{s['order']}. Speedups are tokens/s ratios on the same prompts.",
         "",
         "| method | k | tok/s | tok/s (mean) | " + " | ".join(f"vs {b}" for b in bases) + " | accepted len | "
-        "nodes/step | acceptance | TTFT ms | ITL p50 ms | ITL p95 ms | peak mem | lossless |",
-        "|---|---:|---:|---:|" + "---:|" * len(bases) + "---:|---:|---:|---:|---:|---:|---:|---|",
+        "nodes/step | draft ms/step | acceptance | TTFT ms | ITL p50 ms | ITL p95 ms | peak mem | lossless |",
+        "|---|---:|---:|---:|" + "---:|" * len(bases) + "---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, m in methods.items():
         lines.append("| " + " | ".join([
             name, str(m["num_draft_tokens"]), _num(m["tokens_per_s"], ".2f"), _num(m["tokens_per_s_mean"], ".2f"),
             *(_x(m.get(f"speedup_vs_{b}")) for b in bases), _num(m["mean_accepted_length"], ".2f"),
-            _num(m.get("nodes_per_step"), ".2f"), _num(m["acceptance_rate"], ".1%"), _ms(m["ttft_s_mean"]), _ms(m["itl_s_p50"]), _ms(m["itl_s_p95"]),
+            _num(m.get("nodes_per_step"), ".2f"), _num(m.get("draft_ms_per_step"), ".2f"), _num(m["acceptance_rate"], ".1%"), _ms(m["ttft_s_mean"]), _ms(m["itl_s_p50"]), _ms(m["itl_s_p95"]),
             _mib(m["peak_memory_bytes"]), _verdict(m),
         ]) + " |")  # fmt: skip
     if len(report["categories"]) > 1:
@@ -127,6 +128,12 @@ def markdown(report: dict[str, Any]) -> str:
         for name, m in methods.items():
             cells = [_x(m["by_category"][c]["speedup_vs_none"]) for c in report["categories"]]
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {_x(m['speedup_vs_none'])} |")
+    mixed = {name: m["accepted_by_drafter"] for name, m in methods.items() if len(m.get("accepted_by_drafter") or {}) > 1}
+    if mixed:
+        lines += ["", "Accepted draft tokens by the drafter that proposed them:", ""]
+        for name, counts in mixed.items():
+            total = sum(counts.values()) or 1
+            lines.append(f"- {name}: " + ", ".join(f"{who} {n / total:.0%}" for who, n in counts.items()))
     if report.get("verify_costs"):
         ratios = report["verify_costs"]["ratio_to_one_token"]
         lines += ["", f"Verify cost curve the automatic draft size was chosen from (forward over m tokens / one token, "

@@ -37,6 +37,8 @@ class TurnResult:
     drafted_at: list[int] = field(default_factory=list)  # [position] times a draft reached it
     accepted_at: list[int] = field(default_factory=list)  # [position] times that token was accepted
     peak_memory_bytes: int | None = None  # filled in by the harness
+    by_drafter: dict[str, list[int]] = field(default_factory=dict)  # who proposed: name -> [drafted, accepted]
+    draft_s: float | None = None  # time spent proposing drafts (None: not reported)
 
 
 class Runner(Protocol):
@@ -59,6 +61,15 @@ class SpecRunner:
         self.decoder = decoder  # a SpecDecoder
         self.device = device  # the target's, for the clock's sync
 
+    def snapshot(self) -> list:
+        """What its drafter remembers across requests, to run a prompt's repeats from the same memory."""
+        return [(m, m.snapshot()) for m in self.decoder.engine.drafter.memories()]
+
+    @staticmethod
+    def restore(snapshot: list) -> None:
+        for memory, state in snapshot:
+            memory.restore(state)
+
     def run(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
         start = clock(self.device)
         out = self.decoder.generate(prompt_ids, params)
@@ -70,6 +81,7 @@ class SpecRunner:
             finish_reason=out.finish_reason, drafted_tokens=s.drafted_tokens, drafts=s.drafts,
             accepted_tokens=s.accepted_tokens,
             drafted_at=list(s.drafted_at), accepted_at=list(s.accepted_at),
+            by_drafter={name: list(counts) for name, counts in s.by_drafter.items()}, draft_s=s.draft_s,
         )  # fmt: skip
 
 

@@ -125,7 +125,13 @@ class Drafter:
     forward_s: float = 0.0  # its running seconds per forward (the planner's estimate of a catch-up)
     drafting_s: float = 0.0  # what its last draft cost, catching up excluded
     cache_bytes_per_token: int = 0  # what its own KV cache holds per token of context (in the engine's KV budget)
+    name: str = "drafter"  # what statistics call it: which drafter proposed each accepted token
     target_topk: int = 0  # the target's likeliest next tokens it learns from after every forward (`saw_target`)
+
+    @property
+    def proposer(self) -> str:
+        """Who proposed the last draft: its name (a drafter that chooses among others names the one it chose)."""
+        return self.name
 
     @property
     def forward_model(self) -> torch.nn.Module | None:
@@ -168,9 +174,19 @@ class Drafter:
     def forward_took(self, seconds: float) -> None:
         """One of its forwards (its share, when batched with other requests') took `seconds`."""
 
-    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor) -> None:
+    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor, proposed: list[int] | None = None) -> None:
         """After the target's forward over `tokens` [rows] (the root and the draft nodes it verified, whether or
-        not this drafter proposed them): its `target_topk` likeliest next tokens after each row [rows, k]."""
+        not this drafter proposed them): its `target_topk` likeliest next tokens after each row [rows, k].
+        `proposed`: each draft row's index in the draft as proposed (the planner may have cut it), None = same."""
+
+    def memories(self) -> list:
+        """What it learns across requests (a recycling table, a suffix pool), each with `snapshot()` and
+        `restore(state)`: a benchmark runs every repeat of a prompt from the same memory."""
+        return []
+
+    def finished(self, answer: list[int]) -> None:
+        """Its request ended with this answer (not cancelled, not failed): a drafter that learns across requests
+        (suffix decoding's pool) keeps it."""
 
     def sat_out(self, ctx: DraftContext) -> None:
         """Another drafter proposed this step in its place (hybrid): keep what it will need later."""

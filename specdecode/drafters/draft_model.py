@@ -41,6 +41,8 @@ TREE_EXPAND = 1
 
 
 class DraftModelDrafter(GrowsTrees):
+    name = "draft model"
+
     def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 256,
                  min_confidence: float = 0.0, width: int = 1, max_depth: int = 8, expand: int | None = None,
                  head_tokens: torch.Tensor | None = None, clock: ForwardTime | None = None) -> None:

@@ -177,6 +177,8 @@ TREE_EXPAND = 2  # nodes of a depth fed on: a head forward is cheap next to the 
 
 
 class EagleDrafter(GrowsTrees):
+    name = "eagle"
+
     reads_every_position = True  # every position's target features, not just the last step's (sequence.py)
 
     def __init__(self, head: EagleHead, target: torch.nn.Module, feature_layers: tuple[int, ...],

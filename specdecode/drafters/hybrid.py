@@ -1,22 +1,27 @@
-"""Prompt lookup where the context repeats, a model elsewhere (the draft model, or a trained EAGLE head): each step
-drafts with whichever is expected to make more tokens per second.
+"""Copying where it pays, a model elsewhere (the draft model, or a trained EAGLE head): each step drafts with
+whichever drafter is expected to make the most tokens per second.
 
-Copying is free and, where text repeats (code that reuses its names, an answer rewritten in a second turn), it
-guesses long runs right; a draft model costs a forward per guess (~0.4 of the target's on a CPU) but guesses
-well everywhere. So the n-gram draft is looked up first, and the planner values it (planner.StepPlan.copy_pays)
-through the verify cost curve: its best nodes are expected to make (1 + sum of their scores) tokens in
-C(nodes + 1) seconds (the scores: the share of earlier matches through a node times the request's running rate of
-accepted copies). The model is valued by its own record in this request, which this drafter keeps: the tokens its
-steps made over the seconds they took (its drafting plus the verify forward). The n-gram drafts when its value is
-at least the model's. Only matches of two tokens or more are
-looked up: a one-token match guesses little better than chance, and the model guesses better there.
+Copiers cost well under a millisecond a step: prompt lookup (the request's own text, 2-3 token matches), and in
+the `hybrid` method also suffix decoding (the longest match in this request and in earlier answers). Where text repeats they guess long runs right; a draft model
+costs a forward per guess (~0.4 of the target's on a CPU) but guesses well everywhere. So every copier looks
+first, and the planner values each draft (planner.StepPlan.copy_value) through the verify cost curve: its best
+nodes are expected to make (1 + sum of their scores) tokens in C(nodes + 1) seconds, the scores discounted by the
+copier's `Trust` in this request (the tokens its drafts gave over what their scores promised). The best copy
+drafts when its value is at least the model's record in this request: the tokens its steps made over the
+seconds they took (its drafting plus the verify forward). Only matches of two tokens or more are looked up: a
+one-token match guesses little better than chance, and the model guesses better there.
 
-The model sits out the steps the n-gram takes. A draft model feeds what it missed in one forward when it drafts
+Decoding plainly where neither a copy nor the model's record beats plain decoding (benching the model, trying it
+again after 8, 16, ... steps) was measured and lost: 0.89x vs 0.97x `none` on five kinds of prompts, 1.02x vs
+1.10x on the dev sets (BENCHMARKS.md, "Drafting for free"). The record is too noisy to bench on, and a benched
+model misses the stretches where it would pay.
+
+The model sits out the steps a copier takes. A draft model feeds what it missed in one forward when it drafts
 again; that catching up is not charged to its record (the draft model leaves it out of its forward count and
 its time per forward). An EAGLE head is handed the target's features of those steps (`sat_out`) and reads them
 with the next step's, in its usual catching up.
 Which drafter proposes depends only on the context and on past steps, never on a draw of this step, so the
-verifier's guarantees hold as for either drafter alone.
+verifier's guarantees hold as for any drafter alone.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.wrapping import Wrapping
 from specdecode.model import Part
 from specdecode.planner import FIXED, Record
 
@@ -36,63 +42,82 @@ MIN_NGRAM = 2
 NGRAM_BRANCHES = 4  # earlier matches merged into the n-gram's tree, as the ngram method's default tree
 
 
-class HybridDrafter(Drafter):
-    def __init__(self, draft: DraftModelDrafter | EagleDrafter, max_ngram: int = 3) -> None:
-        self.draft = draft
-        self.ngram = NgramDrafter(max_ngram=max(max_ngram, MIN_NGRAM), min_ngram=MIN_NGRAM, branches=NGRAM_BRANCHES)
-        # What the model it wraps needs, it needs: an EAGLE head reads every position's features, copied ones too.
-        self.feature_layers = draft.feature_layers
-        self.reads_every_position = draft.reads_every_position
+class HybridDrafter(Wrapping):
+    def __init__(self, draft: DraftModelDrafter | EagleDrafter, max_ngram: int = 3,
+                 others: tuple[Drafter, ...] = (), copy_trees: bool = True) -> None:
+        """`others`: more drafters without forwards of their own (suffix, recycle), valued beside the n-gram.
+        `copy_trees`: the n-gram merges earlier matches into a tree (False for a target that verifies chains
+        only)."""
+        super().__init__(draft)
+        self.copy_trees = copy_trees
+        self.ngram = NgramDrafter(max_ngram=max(max_ngram, MIN_NGRAM), min_ngram=MIN_NGRAM,
+                                  branches=NGRAM_BRANCHES if copy_trees else 1)
+        self.copiers: tuple[Drafter, ...] = (self.ngram, *others)
         self.reset()
 
     @property
-    def forward_model(self) -> torch.nn.Module | None:  # a draft model's forwards batch across requests, a head's not
-        return self.draft.forward_model
+    def draft(self) -> DraftModelDrafter | EagleDrafter:
+        return self.inner
 
     @property
-    def trained_weights(self) -> torch.nn.Module | None:
-        return self.draft.trained_weights
-
-    @property
-    def forward_s(self) -> float:
-        return self.draft.forward_s
+    def proposer(self) -> str:
+        return self.used.proposer if self.used is not None else "none"
 
     @property
     def drafting_s(self) -> float:  # its last draft's cost: the model's when the model drafted, else copying's ~0
         return self.draft.drafting_s if self.used is self.draft else 0.0
 
     @property
-    def cache_bytes_per_token(self) -> int:
-        return self.draft.cache_bytes_per_token
+    def target_topk(self) -> int:
+        return max(d.target_topk for d in (self.draft, *self.copiers))
+
+    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor, proposed: list[int] | None = None) -> None:
+        for drafter in (self.draft, *self.copiers):  # recycling learns from every step, whoever proposed
+            if drafter.target_topk:
+                drafter.saw_target(tokens, top[:, : drafter.target_topk], proposed if drafter is self.used else None)
+
+    def finished(self, answer: list[int]) -> None:
+        for drafter in (self.draft, *self.copiers):
+            drafter.finished(answer)
+
+    def memories(self) -> list:
+        return [m for drafter in (self.draft, *self.copiers) for m in drafter.memories()]
 
     def fork(self) -> HybridDrafter:
-        return HybridDrafter(self.draft.fork(), self.ngram.max_ngram)
+        return HybridDrafter(self.draft.fork(), self.ngram.max_ngram, tuple(d.fork() for d in self.copiers[1:]),
+                             self.copy_trees)
 
     def reset(self) -> None:
         self.draft.reset()
-        self.ngram.reset()
-        self.used: NgramDrafter | DraftModelDrafter | EagleDrafter | None = None
+        for copier in self.copiers:
+            copier.reset()
+        self.used: Drafter | None = None
+        self.copied: Draft | None = None  # the best copier's draft this step
+        self.trust = {copier: Trust() for copier in self.copiers}
         self.record = Record()  # the model's running tokens and seconds per step in this request
         self.plan = FIXED
         self.nodes = 0  # nodes of its last draft
-
-    def behind(self, tokens: list[int]) -> int:
-        return self.draft.behind(tokens)
-
-    def forward_took(self, seconds: float) -> None:
-        self.draft.forward_took(seconds)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         return super().propose(ctx, max_tokens)
 
     def drafting(self, ctx: DraftContext, max_tokens: int) -> Generator[Part, torch.Tensor, Draft]:
-        """`propose` as a generator of the model's forwards (none when the n-gram drafts, nor for a head, which
+        """`propose` as a generator of the model's forwards (none when a copier drafts, nor for a head, which
         runs its own)."""
         self.plan = ctx.plan
-        copied = self.ngram.propose(ctx, max_tokens)
-        if len(copied) and ctx.plan.copy_pays(copied.scores, max_tokens, self.record):
-            self.used = self.ngram
+        copier, copied, value = None, None, 0.0
+        for candidate in self.copiers:  # each costs well under a millisecond: all look, the best one is valued
+            draft = candidate.propose(ctx, max_tokens)
+            if not len(draft):
+                continue
+            trust = self.trust[candidate].value
+            worth = ctx.plan.copy_value([min(1.0, s * trust) for s in draft.scores], max_tokens)
+            if worth > value:
+                copier, copied, value = candidate, draft, worth
+        self.copied = copied
+        if copier is not None and ctx.plan.copy_beats(value, self.record):
+            self.used = copier
             self.draft.sat_out(ctx)
             draft = copied
         else:
@@ -108,6 +133,28 @@ class HybridDrafter(Drafter):
         if self.used is None:
             return
         self.used.commit(accepted, verified)
-        if self.used is self.draft and self.plan.costs is not None:
+        if self.used is not self.draft:
+            seen = range(len(self.copied)) if verified is None else verified
+            self.trust[self.used].add(sum(self.copied.scores[i] for i in seen), len(accepted))
+        elif self.plan.costs is not None:
             rows = 1 + (len(verified) if verified is not None else self.nodes)
             self.record.add(len(accepted) + 1.0, self.plan.step_seconds(self.draft.drafting_s, rows))
+
+
+class Trust:
+    """How far a copier's scores can be believed in this request: the tokens its verified drafts gave over the
+    tokens their scores promised (running sums, recent steps weighing more; 1 before it has drafted)."""
+
+    DECAY, PRIOR = 0.8, 1.0  # not swept
+
+    def __init__(self) -> None:
+        self.promised = self.given = self.PRIOR
+
+    def add(self, promised: float, given: int) -> None:
+        self.promised = self.DECAY * self.promised + promised
+        self.given = self.DECAY * self.given + given
+
+    @property
+    def value(self) -> float:
+        return self.given / max(self.promised, 1e-9)  # promised only decays while drafts are cut to nothing
+

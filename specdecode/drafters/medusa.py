@@ -73,6 +73,8 @@ def static_tree(accuracy: list[list[float]], max_nodes: int) -> list[tuple[int, 
 
 
 class MedusaDrafter(Drafter):
+    name = "medusa"
+
     def __init__(self, heads: MedusaHeads, accuracy: list[list[float]], width: int | None = None,
                  max_nodes: int = MAX_NODES) -> None:
         self.heads = heads

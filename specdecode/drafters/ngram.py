@@ -23,6 +23,8 @@ PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # the running acceptance rate starts as 1 a
 
 
 class NgramDrafter(Drafter):
+    name = "ngram"
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -38,10 +40,13 @@ class NgramDrafter(Drafter):
         self.tried, self.hits = PRIOR_WEIGHT, PRIOR_RATE * PRIOR_WEIGHT
         self.parents: list[int] = []
 
+    def lookup(self, ctx: DraftContext, depth: int) -> list[np.ndarray]:
+        """Continuations to merge into the draft, best first, each at most `depth` tokens."""
+        return lookup_all(np.asarray(ctx.tokens, dtype=np.int64), depth, self.max_ngram, self.min_ngram,
+                          self.branches)
+
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        found = lookup_all(np.asarray(ctx.tokens, dtype=np.int64), min(max_tokens, ctx.max_depth), self.max_ngram,
-                           self.min_ngram, self.branches)
-        tokens, parents, share = trie(found, max_tokens)
+        tokens, parents, share = trie(self.lookup(ctx, min(max_tokens, ctx.max_depth)), max_tokens)
         self.parents = parents
         rate = self.hits / self.tried
         scores: list[float] = []

@@ -6,6 +6,8 @@ from specdecode.drafters.base import Draft, DraftContext, Drafter
 
 
 class NoDrafter(Drafter):
+    name = "none"
+
     def fork(self) -> NoDrafter:
         return NoDrafter()
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.wrapping import Wrapping
 from specdecode.model import Part
 from specdecode.planner import FIXED, Record
 
@@ -30,32 +31,15 @@ PRIOR_RATE, PRIOR_WEIGHT = 0.8, 4.0  # a prediction is usually right: 4 copied t
 RETRY_AFTER = 8  # plain steps off the prediction before the request's own drafter is tried again (not swept)
 
 
-class PredictionDrafter(Drafter):
+class PredictionDrafter(Wrapping):
+    name = "prediction"
+
     def __init__(self, inner: Drafter, prediction: list[int]) -> None:
         if not prediction:
             raise ValueError("an empty prediction")
-        self.inner = inner
+        super().__init__(inner)
         self.prediction = np.asarray(prediction, dtype=np.int64)
-        self.feature_layers = inner.feature_layers
-        self.reads_every_position = inner.reads_every_position
-        self.cache_bytes_per_token = inner.cache_bytes_per_token
         self.reset()
-
-    @property
-    def forward_model(self) -> torch.nn.Module | None:
-        return self.inner.forward_model
-
-    @property
-    def trained_weights(self) -> torch.nn.Module | None:
-        return self.inner.trained_weights
-
-    @property
-    def forward_s(self) -> float:
-        return self.inner.forward_s
-
-    @property
-    def drafting_s(self) -> float:
-        return self.inner.drafting_s
 
     def fork(self) -> PredictionDrafter:
         return PredictionDrafter(self.inner.fork(), self.prediction.tolist())
@@ -74,14 +58,9 @@ class PredictionDrafter(Drafter):
         self.plan = FIXED
         self.nodes = 0
 
-    def behind(self, tokens: list[int]) -> int:
-        return self.inner.behind(tokens)
-
-    def forward_took(self, seconds: float) -> None:
-        self.inner.forward_took(seconds)
-
-    def sat_out(self, ctx: DraftContext) -> None:
-        self.inner.sat_out(ctx)
+    @property
+    def proposer(self) -> str:
+        return self.name if self.copied else self.inner.proposer
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -115,10 +94,10 @@ class PredictionDrafter(Drafter):
         """Off the prediction: is the request's own drafter worth more than plain decoding? A draft model first
         catches up on every token copied since it last drafted, so after each copied stretch its draft costs
         more than usual: its record here counts that. Benched, it is tried again now and then."""
-        if plan.costs is None or self.record.seconds == 0.0 or self.skipped >= RETRY_AFTER:
+        if self.skipped >= RETRY_AFTER or plan.beats_plain(self.record):
             self.skipped = 0
             return True
-        return self.record.tokens / self.record.seconds >= 1.0 / plan.costs.cost(1)
+        return False
 
     def align(self, tokens: list[int]) -> int | None:
         """Where in the prediction the next output token is expected, or None when the output has left it."""

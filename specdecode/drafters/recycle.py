@@ -7,9 +7,9 @@ engine and kept across them. A draft grows from the last token, best first: a no
 row of the table, so the tree follows the target's own recent opinions at no cost but a table read.
 
 Scores (this drafter's estimate that a node is accepted, which the planner ranks): its parent's score times the
-running rate at which the target accepted a child of that rank whose parent it accepted (this request's own
-record, starting from a prior). A stale row (recorded after the same token in another context) is what those
-rates measure. Drafts are point masses: the verifier treats them as the n-gram's (exact either way).
+rate at which the target accepted a child of that rank whose parent it accepted: this request's own record,
+starting from the engine's (every request's, kept with the table). A stale row (recorded after the same token in
+another context) is what those rates measure. Drafts are point masses: the verifier treats them as the n-gram's (exact either way).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 
 TABLE_WIDTH = 8  # next tokens kept per token: the paper's choice; siblings beyond the 4th are rarely kept
-PRIOR_RATES = (0.4, 0.15, 0.08, 0.05, 0.03, 0.02, 0.02, 0.02)  # by rank, before this request has any record
-PRIOR_WEIGHT = 2.0  # trials the prior is worth beside the request's own
+PRIOR_RATES = (0.3, 0.1, 0.05, 0.03, 0.02, 0.02, 0.01, 0.01)  # by rank, before any request has a record
+PRIOR_WEIGHT = 4.0  # trials the engine's rates are worth beside a request's own
 MIN_SCORE = 0.01  # nodes less likely than this are never proposed (the planner would cut them anyway)
 
 
@@ -33,6 +33,19 @@ class RecycleTable:
     def __init__(self, vocab_size: int, width: int = TABLE_WIDTH) -> None:
         self.width = min(width, vocab_size)
         self.next = np.full((vocab_size, self.width), -1, dtype=np.int32)
+        # Every request's record by rank: children tried under an accepted parent, and how many were accepted.
+        self.tried = np.full(self.width, PRIOR_WEIGHT)
+        self.hits = np.array(PRIOR_RATES[: self.width]) * PRIOR_WEIGHT
+
+    @property
+    def rates(self) -> np.ndarray:
+        return self.hits / self.tried
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.next.copy(), self.tried.copy(), self.hits.copy()
+
+    def restore(self, state: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        self.next[...], self.tried[...], self.hits[...] = state
 
     def record(self, tokens: torch.Tensor, top: torch.Tensor) -> None:
         """The target's top next tokens [rows, >= width] after each of `tokens` [rows] (later rows win)."""
@@ -42,6 +55,8 @@ class RecycleTable:
 
 
 class RecycleDrafter(Drafter):
+    name = "recycle"
+
     def __init__(self, vocab_size: int, width: int = TABLE_WIDTH, table: RecycleTable | None = None) -> None:
         """`width`: children per node (1 drafts a chain). `table`: shared with the drafter forked from."""
         self.table = table or RecycleTable(vocab_size, TABLE_WIDTH)
@@ -54,11 +69,14 @@ class RecycleDrafter(Drafter):
 
     def reset(self) -> None:
         self.tried = np.full(self.table.width, PRIOR_WEIGHT)
-        self.hits = np.array(PRIOR_RATES[: self.table.width]) * PRIOR_WEIGHT
+        self.hits = self.table.rates * PRIOR_WEIGHT
         self.parents: list[int] = []
         self.ranks: list[int] = []
 
-    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor) -> None:
+    def memories(self) -> list:
+        return [self.table]
+
+    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor, proposed: list[int] | None = None) -> None:
         self.table.record(tokens, top)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -98,5 +116,6 @@ class RecycleDrafter(Drafter):
         taken = set(accepted)
         for node in range(len(self.parents)) if verified is None else verified:
             if self.parents[node] in on_path:
-                self.tried[self.ranks[node]] += 1
-                self.hits[self.ranks[node]] += node in taken
+                for record in (self, self.table):
+                    record.tried[self.ranks[node]] += 1
+                    record.hits[self.ranks[node]] += node in taken

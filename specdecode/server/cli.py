@@ -84,6 +84,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach this port "
               "can use the model", file=sys.stderr)
     if args.replicas > 1 or args.ray_address:
+        if getattr(args, "suffix_pool", None):  # one file for several writers: the last one's pool wins
+            raise SpecdecodeError("--suffix-pool keeps one process's pool; with --replicas or --ray-address each "
+                                  "replica keeps its own in memory (leave --suffix-pool out)")
         from specdecode.server import ray_app
 
         return ray_app.serve_forever(decoder_kwargs(args), settings, args.replicas, args.host, args.port,

@@ -53,6 +53,7 @@ def usage(stats: dict[str, Any], method: str, num_draft_tokens: int | None) -> d
             "nodes_per_step": stats["nodes_per_step"],
             "accepted_path_length": stats["accepted_path_length"],
             "tree_steps": stats["tree_steps"],
+            "by_drafter": stats["by_drafter"],
             "ttft_s": stats["ttft_s"],
             "tokens_per_s": stats["tokens_per_s"],
         },
@@ -62,7 +63,7 @@ def usage(stats: dict[str, Any], method: str, num_draft_tokens: int | None) -> d
 def live_stats(stats: dict[str, Any]) -> dict[str, Any]:
     """The running figures the playground shows, sent with every stream chunk."""
     keys = ("new_tokens", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
-            "nodes_per_step", "tree_steps", "tokens_per_s")
+            "nodes_per_step", "tree_steps", "tokens_per_s", "by_drafter")
     return {k: stats[k] for k in keys}
 
 

@@ -44,6 +44,7 @@ class Chunk:
     from_draft: list[bool]
     finish_reason: str | None
     stats: dict[str, Any]  # GenerationStats.to_dict() after this step (a copy: the worker goes on mutating)
+    drafted_by: list[str | None] = field(default_factory=list)  # per token: the drafter that proposed it
 
 
 @dataclass
@@ -304,7 +305,8 @@ class Scheduler:
         if job.text.stopped:
             self.engine.stop(seq, len(step.tokens) - len(chunk.token_ids))
         job.first_token_at = job.first_token_at or time.perf_counter()
-        event = Chunk(chunk.pieces, chunk.token_ids, chunk.from_draft, chunk.finish_reason, seq.stats.to_dict())
+        event = Chunk(chunk.pieces, chunk.token_ids, chunk.from_draft, chunk.finish_reason, seq.stats.to_dict(),
+                      chunk.drafted_by)
         if chunk.finish_reason is None:
             job.emit(event)
         else:

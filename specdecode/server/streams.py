@@ -71,7 +71,7 @@ async def sse_events(job: Job, meta: Meta, make_usage: UsageFn, include_usage: b
             text = "".join(event.pieces)
             if text or event.finish_reason is not None:
                 extension = {"pieces": event.pieces, "from_draft": event.from_draft,
-                             "stats": live_stats(event.stats)}
+                             "drafted_by": event.drafted_by, "stats": live_stats(event.stats)}
                 yield sse(chunk(meta, text, event.finish_reason, extension=extension))
             if event.finish_reason is not None:
                 if include_usage:

@@ -1,0 +1,253 @@
+"""Earlier answers, searchable by their suffixes: the memory suffix decoding drafts from, shared by every request
+of an engine, bounded in bytes, optionally kept in a file across restarts.
+
+The answers sit in one flat int32 array, each followed by a -1 separator. Where the text continues the way an
+earlier answer did, the context's last tokens occur in it: `matches` finds the occurrences with the longest match
+(up to MAX_MATCH tokens), by looking up the context's last two tokens in an index sorted by bigram (binary search)
+and extending backwards, all candidates at once in numpy. Answers added since the index was last sorted are
+scanned directly until they make up a tenth of the pool; then the index is rebuilt (O(n log n), amortised).
+When the pool outgrows its bytes, the oldest answers leave.
+
+Why our own: ArcticInference's suffix tree (the implementation vLLM's `suffix` method uses) ships as a source
+distribution only, built with CMake against torch, nanobind 2.9.2, a pinned protobuf 5.29 and grpcio-tools,
+alongside its vLLM plugin: more to build on a user's laptop than specdecode itself, and its protobuf pin
+conflicts with what Ray Serve installs. A sorted bigram index does what drafting needs of a suffix tree (longest
+match, continuation counts) in ~24 bytes a token.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from specdecode.errors import SpecdecodeError
+
+DEFAULT_POOL_MB = 64.0
+MAX_MATCH = 32  # the longest suffix compared (a longer match predicts no better)
+MAX_CANDIDATES = 512  # occurrences of the last bigram extended backwards, most recent first
+BYTES_PER_TOKEN = 24  # each answer (4), the flat array (4), its sorted bigram keys (8) and positions (8)
+FORMAT = 1
+SAVE_EVERY_S = 30.0  # a pool with a file writes it at most this often while serving (and when closed)
+SEPARATOR = -1
+log = logging.getLogger("specdecode")
+
+
+def match_lengths(tokens: np.ndarray, candidates: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """For each candidate position p (tokens[p - 1] == tail[-1]): how many of `tail`'s last tokens end at p - 1."""
+    lengths = np.ones(candidates.size, dtype=np.int64)
+    alive = np.ones(candidates.size, dtype=bool)
+    for k in range(2, min(tail.size, MAX_MATCH) + 1):
+        at = candidates - k
+        alive &= at >= 0
+        alive[alive] &= tokens[at[alive]] == tail[-k]
+        if not alive.any():
+            break
+        lengths[alive] = k
+    return lengths
+
+
+def continuations(tokens: np.ndarray, positions: np.ndarray, depth: int) -> list[np.ndarray]:
+    """What followed each position, up to `depth` tokens, cut at an answer's end."""
+    found = []
+    for p in positions.tolist():
+        run = tokens[p : p + depth]
+        end = np.flatnonzero(run == SEPARATOR)
+        run = run[: end[0]] if end.size else run
+        if run.size:
+            found.append(run.astype(np.int64))
+    return found
+
+
+def best_matches(tokens: np.ndarray, candidates: np.ndarray, tail: np.ndarray) -> tuple[np.ndarray, int]:
+    """The candidates (most recent first) whose match with `tail` is the longest -> (positions, that length)."""
+    if candidates.size == 0:
+        return candidates, 0
+    candidates = candidates[::-1][:MAX_CANDIDATES]
+    lengths = match_lengths(tokens, candidates, tail)
+    best = int(lengths.max())
+    return candidates[lengths == best], best
+
+
+class SuffixPool:
+    def __init__(self, max_mb: float = DEFAULT_POOL_MB, fingerprint: str = "", path: str | None = None) -> None:
+        """`fingerprint`: the tokenizer's (a file written under another is refused). `path`: loaded if it exists,
+        written (atomically) by `save`."""
+        if not (max_mb > 0 and math.isfinite(max_mb)):
+            raise SpecdecodeError(f"--suffix-pool-mb must be more than 0 (got {max_mb}): it bounds the answers "
+                                  "suffix drafting remembers")
+        self.max_tokens = int(max_mb * 2**20 / BYTES_PER_TOKEN)
+        self.fingerprint = fingerprint
+        self.path = Path(path) if path else None
+        self.answers: deque[np.ndarray] = deque()
+        self.size = 0  # tokens held, separators included
+        self.flat = np.empty(0, dtype=np.int32)
+        self.keys = np.empty(0, dtype=np.int64)  # bigram keys of the indexed positions, sorted
+        self.at = np.empty(0, dtype=np.int64)  # the positions (after each bigram), ascending within a key
+        self.indexed = 0  # positions of `flat` before this are in the index
+        self.changed = False
+        self.saved_at = time.monotonic()
+        # The compute thread adds answers while a save (a background writer, or the exit's) reads them.
+        self.lock = threading.Lock()
+        self.saving = False
+        self.writer: threading.Thread | None = None
+        if self.path is not None and self.path.exists():
+            self._load(self.path)
+
+    def add(self, answer: list[int]) -> None:
+        """Remember a finished answer (the oldest leave when the pool is full)."""
+        if len(answer) < 2:
+            return
+        tokens = np.asarray(answer, dtype=np.int32)
+        with self.lock:
+            self.answers.append(tokens)
+            self.size += tokens.size + 1
+            self.changed = True
+            full = self.size > self.max_tokens
+            while full and self.answers and self.size > 0.75 * self.max_tokens:
+                self.size -= self.answers.popleft().size + 1
+        if full:
+            self._rebuild()
+            return
+        self.flat = np.concatenate((self.flat, tokens, [SEPARATOR])).astype(np.int32, copy=False)
+        if self.flat.size - self.indexed > max(4096, self.flat.size // 10):
+            self._rebuild()
+
+    def snapshot(self) -> tuple[np.ndarray, ...]:
+        return tuple(self.answers)
+
+    def restore(self, state: tuple[np.ndarray, ...]) -> None:
+        with self.lock:
+            self.answers = deque(state)
+            self.size = sum(a.size + 1 for a in state)
+        self._rebuild()
+
+    def matches(self, tail: np.ndarray) -> tuple[np.ndarray, int]:
+        """Positions after the longest matches of the context's end `tail` -> (positions, match length)."""
+        flat = self.flat
+        if tail.size < 2 or flat.size < 3:
+            return np.empty(0, dtype=np.int64), 0
+        key = _key(tail[-2], tail[-1])
+        lo, hi = np.searchsorted(self.keys, [key, key + 1])
+        indexed = self.at[lo:hi]
+        start = max(self.indexed, 2)  # positions not in the index yet: scanned
+        recent = start + np.flatnonzero((flat[start - 1 : -1] == tail[-1]) & (flat[start - 2 : -2] == tail[-2]))
+        candidates = np.concatenate((indexed, recent))
+        return best_matches(flat, candidates, tail)
+
+    def _rebuild(self) -> None:
+        parts = [np.append(a, SEPARATOR) for a in self.answers]
+        self.flat = np.concatenate(parts).astype(np.int32) if parts else np.empty(0, dtype=np.int32)
+        flat = self.flat.astype(np.int64)
+        keys = _key(flat[:-2], flat[1:-1])  # the bigram before position p = 2 .. n - 1
+        valid = (flat[:-2] >= 0) & (flat[1:-1] >= 0)
+        at = np.flatnonzero(valid) + 2
+        order = np.argsort(keys[valid], kind="stable")
+        self.keys, self.at = keys[valid][order], at[order]
+        self.indexed = self.flat.size
+
+    # --- kept across restarts ---------------------------------------------------------------------------------
+
+    def save_soon(self) -> None:
+        """Save in the background if the last save is SAVE_EVERY_S old (a server keeps most of its pool through a
+        crash; writing megabytes inside a step would stall every request in it)."""
+        if self.path is None or self.saving or time.monotonic() - self.saved_at < SAVE_EVERY_S:
+            return
+        self.saving = True
+        self.writer = threading.Thread(target=self.save_or_warn, name="suffix-pool-save", daemon=True)
+        self.writer.start()
+
+    def close(self) -> None:
+        """At exit: let a background save finish, then save what came after it."""
+        if self.writer is not None:
+            self.writer.join()
+        self.save_or_warn()
+
+    def save_or_warn(self) -> None:
+        """`save`, where a full disk or a read-only folder costs the file, not the request or the server."""
+        try:
+            self.save()
+        except OSError as e:
+            log.warning("specdecode: could not write the suffix pool to %s: %s", self.path, e)
+        finally:
+            self.saving = False
+
+    def save(self) -> None:
+        """Write the pool to its file if anything changed: a temporary file renamed over it, never half written."""
+        with self.lock:  # one consistent list of answers; what is added after it is saved next time
+            if self.path is None or not self.changed:
+                return
+            answers, self.changed = list(self.answers), False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lengths = np.array([a.size for a in answers], dtype=np.int64)
+            tokens = np.concatenate(answers) if answers else np.empty(0, dtype=np.int32)
+            handle, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+            try:
+                with os.fdopen(handle, "wb") as f:
+                    np.savez(f, format=np.array(FORMAT), fingerprint=np.array(self.fingerprint), lengths=lengths,
+                             tokens=tokens)
+                    f.flush()
+                    os.fsync(f.fileno())  # on disk before the rename: a power cut leaves the old file or this one
+                os.replace(tmp, self.path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except BaseException:
+            self.changed = True
+            raise
+        self.saved_at = time.monotonic()
+
+    def _load(self, path: Path) -> None:
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                version, fingerprint = int(f["format"]), str(f["fingerprint"])
+                lengths, tokens = f["lengths"], f["tokens"]
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say which and why, in one line
+            raise SpecdecodeError(f"--suffix-pool {path} is unreadable or truncated ({type(e).__name__}): move it "
+                                  "away or delete it to start an empty pool") from None
+        if version != FORMAT:
+            raise SpecdecodeError(f"--suffix-pool {path} has format {version}, this version reads {FORMAT}")
+        if fingerprint != self.fingerprint:
+            raise SpecdecodeError(f"--suffix-pool {path} was written for another tokenizer: its token ids mean "
+                                  "other text here; give another path")
+        if (lengths.dtype.kind not in "iu" or tokens.dtype.kind not in "iu" or lengths.sum() != tokens.size
+                or (tokens.size and tokens.min() < 0) or (lengths.size and lengths.min() < 0)):
+            raise SpecdecodeError(f"--suffix-pool {path} is corrupt (its answers and tokens disagree)")
+        for answer in np.split(tokens.astype(np.int32), np.cumsum(lengths)[:-1]) if lengths.size else []:
+            self.answers.append(answer)
+            self.size += answer.size + 1
+        while self.answers and self.size > self.max_tokens:
+            self.size -= self.answers.popleft().size + 1
+        self._rebuild()
+
+
+def open_pool(max_mb: float, path: str | None, tokenizer) -> SuffixPool:
+    """The pool a loaded decoder drafts from: read from `path` if it exists, and written back there at exit."""
+    if path and tokenizer is None:
+        raise SpecdecodeError("--suffix-pool needs the target's tokenizer, to check that a saved pool's token ids "
+                              "mean the same text")
+    pool = SuffixPool(max_mb, tokenizer_fingerprint(tokenizer) if path else "", path)
+    if path:
+        atexit.register(pool.close)
+    return pool
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What makes token ids mean the same text: the vocabulary, hashed."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def _key(a, b):
+    return np.asarray(a, dtype=np.int64) * (1 << 31) + np.asarray(b, dtype=np.int64)
