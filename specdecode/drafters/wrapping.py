@@ -3,50 +3,31 @@ the inner drafter needs from the engine, the wrapper needs, and what the engine 
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from specdecode.drafters.base import DraftContext, Drafter
+
+
+def _inner(name: str) -> property:
+    """A capability read from the inner drafter (a wrapper that knows better overrides it)."""
+    return property(attrgetter(f"inner.{name}"))
 
 
 class Wrapping(Drafter):
     def __init__(self, inner: Drafter) -> None:
         self.inner = inner
 
-    @property
-    def feature_layers(self) -> tuple[int, ...]:  # an EAGLE head reads every position's features, copied ones too
-        return self.inner.feature_layers
-
-    @property
-    def reads_every_position(self) -> bool:
-        return self.inner.reads_every_position
-
-    @property
-    def cache_bytes_per_token(self) -> int:
-        return self.inner.cache_bytes_per_token
-
-    @property
-    def target_topk(self) -> int:
-        return self.inner.target_topk
-
-    @property
-    def proposer(self) -> str:
-        return self.inner.proposer
-
-    @property
-    def forward_model(self) -> torch.nn.Module | None:
-        return self.inner.forward_model
-
-    @property
-    def trained_weights(self) -> torch.nn.Module | None:
-        return self.inner.trained_weights
-
-    @property
-    def forward_s(self) -> float:
-        return self.inner.forward_s
-
-    @property
-    def drafting_s(self) -> float:
-        return self.inner.drafting_s
+    feature_layers = _inner("feature_layers")  # an EAGLE head reads every position's features, copied ones too
+    reads_every_position = _inner("reads_every_position")
+    cache_bytes_per_token = _inner("cache_bytes_per_token")
+    target_topk = _inner("target_topk")
+    proposer = _inner("proposer")
+    forward_model = _inner("forward_model")
+    trained_weights = _inner("trained_weights")
+    forward_s = _inner("forward_s")
+    drafting_s = _inner("drafting_s")
 
     def behind(self, tokens: list[int]) -> int:
         return self.inner.behind(tokens)
