@@ -178,7 +178,10 @@ def print_forwards(rows: list[dict], llamacpp: dict[str, float] | None = None) -
               f"{100 * r['share_of_floor']:.0f}% | " + " | ".join(f"{r['split_ms'][s]:.2f}" if s in r["split_ms"] else "-" for s in stages)
               + f" | {r['regions']} ({r['regions_ms']:.2f}) |")
     for name, ms in (llamacpp or {}).items():
-        ours = next(r for r in rows if r["model"] == name and r["rows"] == 1)
+        ours = next((r for r in rows if r["model"] == name and r["rows"] == 1), None)
+        if ours is None:  # that model was not profiled (no drafter in the methods run)
+            print(f"\nllama.cpp, {name}, one token: {ms:.2f} ms best of the repeats")
+            continue
         print(f"\nllama.cpp, {name}, one token: {ms:.2f} ms best of the repeats, {100 * ours['floor_ms'] / ms:.0f}% "
               f"of the floor (ours best {ours['ms_min']:.2f} ms: {ms / ours['ms_min']:.2f}x llama.cpp's speed)")
 

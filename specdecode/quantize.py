@@ -4,8 +4,9 @@ Decoding is memory-bound: every token reads every weight, so fewer bytes per wei
 On CPU every linear layer runs on a native kernel:
   float weights (`none`): kernels/linear_cpu.cpp, the model's own float32 or bfloat16, no copy;
   block-quantized weights: GGUF's block types (blocks.py) against activations quantized per row to int8, integer
-    dot products: kernels/quant_cpu.cpp one weight row at a time (AVX2), or, on CPUs with AVX-512 VNNI,
-    kernels/quant_c16_*.cpp with 16 output channels per vector (repacked at load). A GGUF file's blocks run as
+    dot products: kernels/quant_c16_*.cpp with 16 output channels per vector (repacked at load; one AVX-512
+    VNNI register or two AVX2 halves), or kernels/quant_cpu.cpp one weight row at a time where the outputs are
+    not a multiple of 16. A GGUF file's blocks run as
     stored (`apply_packed_`); a float checkpoint is written in Q8_0 or Q4_K by `--quantize` (`int8`, `int4`
     are older names for them).
 Every kernel keeps a verify forward over k + 1 tokens cheaper than k + 1 one-token forwards and computes every
@@ -48,10 +49,10 @@ class KernelLinear(nn.Module):
 
 
 class QuantLinear(nn.Module):
-    """A linear layer whose weight is a PackedWeight, on the integer kernels. On CPUs with AVX-512 VNNI the blocks
-    are repacked once, at load, to 16 output channels per vector (kernels/quant_c16_*.cpp): fewer instructions
-    per weight for one token, and a low cost for every further token in a forward. The row layout is then
-    dropped unless `keep_rows` (a tied embedding still looks rows up in it)."""
+    """A linear layer whose weight is a PackedWeight, on the integer kernels. Where the outputs are a multiple of
+    16 the blocks are repacked once, at load, to 16 output channels per vector (kernels/quant_c16_*.cpp): fewer
+    instructions per weight for one token, and a low cost for every further token in a forward. The row layout
+    is then dropped unless `keep_rows` (a tied embedding still looks rows up in it)."""
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, kernels, keep_rows: bool = False) -> None:
         super().__init__()

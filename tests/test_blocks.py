@@ -52,8 +52,8 @@ def integer_reference(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return x_rounded @ w.dequantize().double().T
 
 
-# 37 rows: the row kernel, with a ragged last block of weight rows; 48: k-quants go 16 channels per vector
-# where the CPU has AVX-512 VNNI (kernels/quant_c16_cpu.cpp), else the row kernel again.
+# 37 rows: the row kernel, with a ragged last block of weight rows; 48: 16 channels per vector
+# (kernels/quant_c16_cpu.cpp, quant_c16_legacy_cpu.cpp).
 SHAPES = [37, 48]
 
 
@@ -83,6 +83,25 @@ def test_every_row_is_computed_as_if_alone(type_name, out):
     singles = torch.cat([layer(x[j : j + 1]) for j in range(19)])
     for rows in (2, 3, 5, 8, 9, 16, 19):  # every tile width and a remainder
         assert torch.equal(layer(x[:rows]), singles[:rows])
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("fill", [0xFF, 0x80])
+def test_the_largest_codes_and_activations_do_not_overflow(type_name, fill):
+    """Every code, scale and min byte at one extreme and every activation at +-127: the integer sums kernels keep in
+    16 bits between widenings (AVX2's vpmaddubsw pairs) must still be exact."""
+    raw = random_blocks(type_name, 48, 512).reshape(48, 512 // GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0], -1)
+    halves = {at: raw[..., at : at + 2].copy() for at in HALF_FIELDS[type_name]}
+    raw[:] = fill
+    for at, kept in halves.items():
+        raw[..., at : at + 2] = kept
+    w = from_gguf(type_name, raw.reshape(48, -1), (48, 512))
+    layer = QuantLinear(w, None, kernels)
+    signs = torch.tensor([1.0, -1.0]).repeat(256)
+    x = torch.stack([torch.ones(512), -torch.ones(512), signs, -signs])
+    ref = integer_reference(x, w)
+    assert torch.allclose(layer(x).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_k"])

@@ -1,4 +1,5 @@
-// K-quant linear layers (Q4_K, Q5_K, Q6_K) with 16 output channels per vector, for CPUs with AVX-512 VNNI.
+// K-quant linear layers (Q4_K, Q5_K, Q6_K) with 16 output channels per vector: one AVX-512 VNNI register, or two
+// AVX2 halves of 8 channels (the same layout, the same integer sums and the same float steps on both).
 //
 // quant_cpu.cpp walks one weight row at a time, so every sub-block scale, min and superblock scale is applied
 // once per weight row and activation row: at several rows (prefill, a verify forward) that bookkeeping costs as
@@ -34,8 +35,6 @@
 
 namespace {
 
-constexpr int kTile = 8;  // activation rows per pass over a channel group: 3 accumulators each, in 32 registers
-
 // The 256 codes of superblock sb of row n, from quant_cpu.cpp's row layout (128-code nibble runs, bit planes).
 inline void row_codes(const uint8_t* qs, const uint8_t* qh, int bits, int64_t K, int64_t n, int64_t sb,
                       uint8_t* codes) {
@@ -50,13 +49,7 @@ inline void row_codes(const uint8_t* qs, const uint8_t* qh, int bits, int64_t K,
 
 }  // namespace
 
-bool c16_available() {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool c16_available() { return true; }  // AVX-512 VNNI's 16-lane vectors, or two 8-lane AVX2 halves
 
 // Row layout (blocks.py) -> the channel layout above. N must be a multiple of 16, K of 256.
 std::vector<torch::Tensor> repack_c16(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& scales,
@@ -109,7 +102,6 @@ std::vector<torch::Tensor> repack_c16(const torch::Tensor& qs, const torch::Tens
   return {lo, hi, sc, mn, dd, dm};
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 namespace {
 
 struct C16Weight {
@@ -128,16 +120,6 @@ struct C16Acts {
   const int32_t* pairs;  // [M, K / G / 2]: int16 sums of the codes of sub-blocks 2 u and 2 u + 1
   int64_t K;
 };
-
-inline __m512 load_f16x16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
 
 // The bytes of superblock `at`, asked for kAhead superblocks before use: without it a forward over several rows
 // pays the memory's latency on top of its arithmetic (its own loads run too few superblocks ahead to hide it).
@@ -163,6 +145,22 @@ SPECDECODE_PREFETCHES void prefetch_codes(const C16Weight& w, int64_t at, int u)
   for (int line = 0; line < 32 / nsub; ++line) prefetch_nta(w.lo + (at * 32 + u * (32 / nsub) + line) * 64);
   if constexpr (BITS > 4)
     for (int line = 0; line < 16 / nsub; ++line) prefetch_nta(w.hi + (at * 16 + u * (16 / nsub) + line) * 64);
+}
+
+// Activation rows per pass over a channel group. AVX-512: 3 accumulators each, in 32 registers; AVX2: the int16
+// sums of all 8 rows stay in 16 registers, the int32 sums spill once per sub-block.
+constexpr int kTile = 8;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+
+inline __m512 load_f16x16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
 }
 
 template <int BITS, int G, int TILE>
@@ -258,6 +256,115 @@ void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y
   for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(y + (m0 + t) * N + cg * 16, acc[t]);
 }
 
+#else
+// AVX2: each 64-byte vector as two 32-byte halves of 8 channels. No vpdpbusd: vpmaddubsw multiplies code and
+// activation bytes and adds pairs into int16, and those int16 sums of kRun chunks add up without overflow (at most
+// 2 x 127 x (2^BITS - 1) each), so one vpmaddwd per kRun chunks applies the sub-block's scale to a channel's two
+// int16 lanes and sums them into int32: the integer sum vpdpbusd and a multiply by the scale give, exactly. The
+// float steps are AVX-512's, lane by lane.
+
+// Eight channels' int8 values at p, each as an int16 pair (v, v): the operand that scales a channel's two lanes.
+inline __m256i pairs_of(const int8_t* p) {
+  const __m128i v = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
+}
+
+// Eight channels' values from two int8 rows a, b as int16 pairs (a, b).
+inline __m256i pairs_of(const int8_t* a, const int8_t* b) {
+  const __m128i va = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)));
+  const __m128i vb = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return _mm256_set_m128i(_mm_unpackhi_epi16(va, vb), _mm_unpacklo_epi16(va, vb));
+}
+
+inline __m256 load_f16x8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int BITS, int G, int TILE>
+void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
+  constexpr int nsub = 256 / G, chunks = G / 4;
+  constexpr int kRun = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;  // chunks whose int16 pair sums cannot overflow
+  static_assert(chunks % kRun == 0, "a sub-block is a whole number of runs");
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const int8_t* rows[TILE];
+  const int32_t* row_pairs[TILE];
+  for (int t = 0; t < TILE; ++t) rows[t] = a.q + (m0 + t) * a.K, row_pairs[t] = a.pairs + (m0 + t) * (a.K / G / 2);
+  __m256 acc[2][TILE];
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < TILE; ++t) acc[h][t] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < w.nsb; ++sb) {
+    const int64_t at = cg * w.nsb + sb;
+    const uint8_t* lo = w.lo + at * 32 * 64;
+    const uint8_t* hi = BITS > 4 ? w.hi + at * 16 * 64 : nullptr;
+    const int8_t* sc = w.sc + at * nsub * 16;
+    if (m0 == 0) prefetch_scales<BITS, nsub>(w, at + kAhead);
+    for (int h = 0; h < 2; ++h) {  // channels 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of every vector
+      __m256i isum[TILE];
+      for (int t = 0; t < TILE; ++t) isum[t] = _mm256_setzero_si256();
+      if constexpr (BITS == 6) {  // the offset of 32, as in the AVX-512 tile: -32 x sum of scale[u] codes_sum[u]
+        for (int p = 0; p < nsub / 2; ++p) {
+          const __m256i scales = pairs_of(sc + (2 * p) * 16 + 8 * h, sc + (2 * p + 1) * 16 + 8 * h);
+          for (int t = 0; t < TILE; ++t)
+            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(scales, _mm256_set1_epi32(row_pairs[t][sb * (nsub / 2) + p])));
+        }
+        for (int t = 0; t < TILE; ++t) isum[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(isum[t], 5));
+      }
+      for (int u = 0; u < nsub; ++u) {
+        const uint8_t* lo_u = lo + static_cast<size_t>(u) * (chunks / 2) * 64 + 32 * h;
+        const uint8_t* hi_u = BITS > 4 ? hi + static_cast<size_t>(u) * (chunks / 4) * 64 + 32 * h : nullptr;
+        const size_t col = static_cast<size_t>(sb) * 256 + static_cast<size_t>(u) * G;
+        const __m256i scale = pairs_of(sc + u * 16 + 8 * h);
+        if (m0 == 0 && h == 0) prefetch_codes<BITS, nsub>(w, at + kAhead, u);
+        __m256i part[TILE];
+#pragma GCC unroll 16
+        for (int j = 0; j < chunks; ++j) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo_u + (j / 2) * 64));
+          __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, low4);
+          if constexpr (BITS > 4) {
+            const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi_u + (j / 4) * 64));
+            const int f = j % 4;
+            const __m256i moved = f == 0 ? _mm256_slli_epi16(high, 4) : f == 1 ? _mm256_slli_epi16(high, 2)
+                                  : f == 2 ? high : _mm256_srli_epi16(high, 2);
+            codes = _mm256_or_si256(codes, _mm256_and_si256(moved, bits45));
+          }
+#pragma GCC unroll 16
+          for (int t = 0; t < TILE; ++t) {
+            const __m256i p = _mm256_maddubs_epi16(codes, specdecode::broadcast4(rows[t] + col + 4 * j));
+            part[t] = j % kRun == 0 ? p : _mm256_add_epi16(part[t], p);
+            specdecode::pin(part[t]);
+          }
+          if (j % kRun == kRun - 1)
+            for (int t = 0; t < TILE; ++t) isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(part[t], scale));
+        }
+      }
+      const __m256 d = load_f16x8(w.d + at * 16 + 8 * h);
+      if constexpr (BITS == 6) {
+        for (int t = 0; t < TILE; ++t)
+          acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]),
+                                      _mm256_mul_ps(d, _mm256_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb])), acc[h][t]);
+        continue;
+      }
+      __m256i imin[TILE];
+      for (int t = 0; t < TILE; ++t) imin[t] = _mm256_setzero_si256();
+      for (int p = 0; p < nsub / 2; ++p) {  // mins of sub-blocks 2 p, 2 p + 1, paired per channel as stored
+        const __m256i mins = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + (at * (nsub / 2) + p) * 32 + 16 * h)));
+        for (int t = 0; t < TILE; ++t)
+          imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mins, _mm256_set1_epi32(row_pairs[t][sb * (nsub / 2) + p])));
+      }
+      const __m256 dmin = load_f16x8(w.dmin + at * 16 + 8 * h);
+      for (int t = 0; t < TILE; ++t) {
+        const __m256 xd = _mm256_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb]);
+        acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, xd), acc[h][t]);
+        acc[h][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[t]), _mm256_mul_ps(dmin, xd), acc[h][t]);
+      }
+    }
+  }
+  for (int t = 0; t < TILE; ++t)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + t) * N + cg * 16 + 8 * h, acc[h][t]);
+}
+#endif
+
 using TileFn = void (*)(const C16Acts&, const C16Weight&, int64_t, int64_t, float*, int64_t);
 
 template <int BITS, int G, int... T>
@@ -339,15 +446,3 @@ torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const 
   QuantizedActs acts;
   return run_alone(linear_c16_work(x, lo, hi, sc, mn, d, dmin, bias, bits, G, acts));
 }
-#else
-torch::Tensor linear_c16(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                         const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                         int64_t, int64_t) {
-  TORCH_CHECK(false, "linear_c16 needs AVX-512 VNNI");
-}
-LinearWork linear_c16_work(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                           const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                           int64_t, int64_t, QuantizedActs&) {
-  TORCH_CHECK(false, "linear_c16 needs AVX-512 VNNI");
-}
-#endif

@@ -1,5 +1,5 @@
-// The 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with 16 output channels per vector, for CPUs with
-// AVX-512 VNNI: the counterpart of quant_c16_cpu.cpp's k-quants (read its header first). These are the draft
+// The 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with 16 output channels per vector (AVX-512 VNNI,
+// or two AVX2 halves): the counterpart of quant_c16_cpu.cpp's k-quants (read its header first). These are the draft
 // model's blocks, run mostly one token at a time, where quant_cpu.cpp's row kernel spends more instructions on
 // unpacking and scaling each 64-weight step than on its dot products.
 //
@@ -69,10 +69,7 @@ std::vector<torch::Tensor> repack_c16_legacy(const torch::Tensor& qs, const torc
   return {codes, hi, dd, mm};
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 namespace {
-
-constexpr int kTile = 8;
 
 struct Weight {
   const uint8_t* codes;
@@ -88,6 +85,24 @@ struct Acts {
   const int32_t* sum;  // [M, K / 32]
   int64_t K;
 };
+
+// Block `at`'s bytes, asked for kAhead blocks (5-8 KB) before use, non-temporal: as quant_c16_cpu.cpp does and
+// for the same reasons; one line two blocks ahead left the draft model's one-token forward ~35% slower.
+constexpr int kAhead = 16;
+using specdecode::prefetch_nta;
+
+template <int BITS, int OFF>
+SPECDECODE_PREFETCHES void prefetch_block(const Weight& w, int64_t at) {
+  constexpr int lines = BITS == 8 ? 8 : 4;
+  for (int line = 0; line < lines; ++line) prefetch_nta(w.codes + (at * lines + line) * 64);
+  if constexpr (BITS == 5) prefetch_nta(w.hi + at * 64);
+  prefetch_nta(w.d + at * 16);
+  if constexpr (OFF == 0) prefetch_nta(w.dmin + at * 16);
+}
+
+constexpr int kTile = 8;  // activation rows per pass, as in quant_c16_cpu.cpp
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -106,20 +121,6 @@ inline __m512i chunk_codes(const Weight& w, int64_t at, int j) {
     codes = _mm512_or_si512(codes, _mm512_and_si512(moved, _mm512_set1_epi8(0x10)));
   }
   return codes;
-}
-
-// Block `at`'s bytes, asked for kAhead blocks (5-8 KB) before use, non-temporal: as quant_c16_cpu.cpp does and
-// for the same reasons; one line two blocks ahead left the draft model's one-token forward ~35% slower.
-constexpr int kAhead = 16;
-using specdecode::prefetch_nta;
-
-template <int BITS, int OFF>
-SPECDECODE_PREFETCHES void prefetch_block(const Weight& w, int64_t at) {
-  constexpr int lines = BITS == 8 ? 8 : 4;
-  for (int line = 0; line < lines; ++line) prefetch_nta(w.codes + (at * lines + line) * 64);
-  if constexpr (BITS == 5) prefetch_nta(w.hi + at * 64);
-  prefetch_nta(w.d + at * 16);
-  if constexpr (OFF == 0) prefetch_nta(w.dmin + at * 16);
 }
 
 // OFF > 0: w = d * (code - OFF); OFF == 0: w = d * code - dmin
@@ -153,6 +154,74 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
   }
   for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(y + (m0 + t) * N + cg * 16, acc[t]);
 }
+
+#else
+// AVX2: two 8-channel halves of each vector, vpmaddubsw's int16 pair sums added over kRun chunks (they cannot
+// overflow) and widened by one vpmaddwd, as quant_c16_cpu.cpp's AVX2 tile does. Q8_0 multiplies |code| by the
+// activation with the code's sign (vpmaddubsw's first operand is unsigned), the sum of code x activation that the
+// AVX-512 tile reaches through the +128 offset: the same integers, and the same float steps lane by lane.
+template <int BITS>
+inline __m256i chunk_codes_half(const Weight& w, int64_t at, int j, int h) {
+  if constexpr (BITS == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + (at * 8 + j) * 64 + 32 * h));
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + (at * 4 + j / 2) * 64 + 32 * h));
+  __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, _mm256_set1_epi8(0x0F));
+  if constexpr (BITS == 5) {  // bit j of each byte -> bit 4
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.hi + at * 64 + 32 * h));
+    const __m256i moved = j <= 4 ? _mm256_slli_epi16(high, 4 - j) : _mm256_srli_epi16(high, j - 4);
+    codes = _mm256_or_si256(codes, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
+  }
+  return codes;
+}
+
+template <int BITS, int OFF, int TILE>
+void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
+  constexpr int kRun = BITS == 4 ? 8 : BITS == 5 ? 4 : 1;  // chunks whose int16 pair sums cannot overflow
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2][TILE];
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < TILE; ++t) acc[h][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const int64_t at = cg * w.nb + b;
+    if (m0 == 0) prefetch_block<BITS, OFF>(w, at + kAhead);
+    for (int h = 0; h < 2; ++h) {
+      __m256i isum[TILE], part[TILE];
+      for (int t = 0; t < TILE; ++t) isum[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        __m256i codes = chunk_codes_half<BITS>(w, at, j, h);
+        __m256i sign;
+        if constexpr (BITS == 8) {  // stored + 128: back to signed, then |code| and its sign
+          sign = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));
+          codes = _mm256_abs_epi8(sign);
+        }
+        for (int t = 0; t < TILE; ++t) {
+          __m256i x = specdecode::broadcast4(a.q + (m0 + t) * a.K + b * 32 + 4 * j);
+          if constexpr (BITS == 8) x = _mm256_sign_epi8(x, sign);
+          const __m256i p = _mm256_maddubs_epi16(codes, x);
+          part[t] = j % kRun == 0 ? p : _mm256_add_epi16(part[t], p);
+          specdecode::pin(part[t]);
+        }
+        if (j % kRun == kRun - 1)
+          for (int t = 0; t < TILE; ++t) isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(part[t], ones));
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + at * 16 + 8 * h)));
+      __m256 dmin;
+      if constexpr (OFF == 0) dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dmin + at * 16 + 8 * h)));
+      for (int t = 0; t < TILE; ++t) {
+        const int64_t blk = (m0 + t) * (a.K / 32) + b;
+        __m256i s = isum[t];
+        if constexpr (OFF > 0 && BITS != 8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(OFF * a.sum[blk]));
+        const __m256 xd = _mm256_set1_ps(a.xd[blk]);
+        acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, xd), acc[h][t]);
+        if constexpr (OFF == 0)
+          acc[h][t] = _mm256_fnmadd_ps(dmin, _mm256_set1_ps(a.xd[blk] * static_cast<float>(a.sum[blk])), acc[h][t]);
+      }
+    }
+  }
+  for (int t = 0; t < TILE; ++t)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + t) * N + cg * 16 + 8 * h, acc[h][t]);
+}
+#endif
 
 using TileFn = void (*)(const Acts&, const Weight&, int64_t, int64_t, float*, int64_t);
 
@@ -233,14 +302,3 @@ torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& cod
   QuantizedActs acts;
   return run_alone(linear_c16_legacy_work(x, codes, hi, d, dmin, bias, bits, offset, acts));
 }
-#else
-torch::Tensor linear_c16_legacy(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                                const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t, int64_t) {
-  TORCH_CHECK(false, "linear_c16_legacy needs AVX-512 VNNI");
-}
-LinearWork linear_c16_legacy_work(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                                  const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t, int64_t,
-                                  QuantizedActs&) {
-  TORCH_CHECK(false, "linear_c16_legacy needs AVX-512 VNNI");
-}
-#endif

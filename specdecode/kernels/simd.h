@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace specdecode {
 
@@ -21,6 +22,18 @@ inline __m256 load_bf16x8(const uint16_t* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+
+// Four int8 values at p, repeated in every 32-bit lane.
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// An empty barrier on v: the compiler must treat it as computed here. A running sum of vpmaddubsw products,
+// otherwise re-associated into a tree, kept every product of a sub-block live at once and spilled them to the
+// stack (AVX2 has 16 vector registers).
+inline void pin(__m256i& v) { asm("" : "+x"(v)); }
 
 // The one fixed horizontal sum of eight lanes.
 inline float lane_sum(__m256 v) {
