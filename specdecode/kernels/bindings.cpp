@@ -6,7 +6,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "y = x @ W^T, W float32");
   m.def("linear_bf16", &linear_bf16, "y = x @ W^T, W bfloat16");
   m.def("linear_quant", &linear_quant, "y = x @ W^T + b, W in GGUF-style blocks, x quantized per row, integer dots");
-  m.def("c16_available", &c16_available, "whether linear_c16 runs here (AVX-512 VNNI)");
   m.def("repack_c16", &repack_c16, "k-quant blocks, row layout -> 16 output channels per vector");
   m.def("linear_c16", &linear_c16, "y = x @ W^T + b, k-quant W with 16 channels per vector");
   m.def("repack_c16_legacy", &repack_c16_legacy, "32-weight blocks, row layout -> 16 output channels per vector");

@@ -49,7 +49,6 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& weight);
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh,
                            const torch::Tensor& scales, const torch::Tensor& mins, const torch::Tensor& d,
                            const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t S, int64_t G);
-bool c16_available();
 std::vector<torch::Tensor> repack_c16(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& scales,
                                       const torch::Tensor& mins, const torch::Tensor& d, const torch::Tensor& dmin,
                                       int64_t bits, int64_t G);

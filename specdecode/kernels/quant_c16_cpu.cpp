@@ -49,8 +49,6 @@ inline void row_codes(const uint8_t* qs, const uint8_t* qh, int bits, int64_t K,
 
 }  // namespace
 
-bool c16_available() { return true; }  // AVX-512 VNNI's 16-lane vectors, or two 8-lane AVX2 halves
-
 // Row layout (blocks.py) -> the channel layout above. N must be a multiple of 16, K of 256.
 std::vector<torch::Tensor> repack_c16(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& scales,
                                       const torch::Tensor& mins, const torch::Tensor& d, const torch::Tensor& dmin,
