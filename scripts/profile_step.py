@@ -278,6 +278,12 @@ def instrument(sd: SpecDecoder, timer: SelfTimer) -> None:
     for cls in {type(engine.drafter)} | {type(getattr(engine.drafter, "draft", None))} - {type(None)}:
         if "drafting" in vars(cls):
             timer.wrap_generator(cls, "drafting", "drafter logic")
+    try:  # a draft with another tokenizer: its text between the tokenizers (checkouts from before it lack it)
+        from specdecode.token_bridge import DraftSide, TokenBridge
+    except ImportError:
+        return
+    timer.wrap(DraftSide, "update", "token mapping")
+    timer.wrap(TokenBridge, "to_target", "token mapping")
 
 
 def prompts(limit: int) -> list[tuple[str, str]]:
@@ -380,7 +386,7 @@ def _drafter(sd: SpecDecoder, method: str):
 
 def print_steps(steps: dict) -> None:
     print("\n### Steps (ms per step, summed over the run; each category its own time)\n")
-    categories = ["target forward", "draft forwards", "verification", "planner", "drafter logic",
+    categories = ["target forward", "draft forwards", "verification", "planner", "drafter logic", "token mapping",
                   "sequence + KV bookkeeping", "engine glue", "text + API"]
     print("| method | steps | tok/s | " + " | ".join(categories) + " | outside forwards |")
     print("|---|---:|---:|" + "---:|" * (len(categories) + 1))

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from specdecode.advise.cli import add_parser as add_advise_parser
 from specdecode.bench.cli import add_parser as add_bench_parser
 from specdecode.cli_args import add_model_args, add_sampling_args, load_decoder, sampling_params
 from specdecode.errors import SpecdecodeError
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=cmd_models)
 
     add_bench_parser(sub)
+    add_advise_parser(sub)
     add_serve_parser(sub)
     add_train_parser(sub)
     return parser

@@ -17,8 +17,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model and drafter options shared by generate, serve and bench."""
     p.add_argument("--target", default=DEFAULT_TARGET, help="packaged name, HF hub id, HF folder or .gguf file")
     p.add_argument("--draft", default=None,
-                   help=f"--method draft or hybrid: the draft model (same tokenizer; default {DEFAULT_DRAFT}); --method "
-                        "eagle, hybrid-eagle or medusa: the folder `specdecode train` wrote")
+                   help=f"--method draft or hybrid: the draft model (default {DEFAULT_DRAFT}; one with another "
+                        "tokenizer drafts text, mapped to the target's tokens); --method eagle, hybrid-eagle or "
+                        "medusa: the folder `specdecode train` wrote")
     p.add_argument("--draft-adapter", default=None, metavar="DIR",
                    help="a LoRA adapter for the draft model (`specdecode train draft`)")
     p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS),

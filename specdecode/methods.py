@@ -12,6 +12,7 @@ from pathlib import Path
 from specdecode.drafters import (Drafter, DraftModelDrafter, EagleDrafter, HybridDrafter, MedusaDrafter,
                                  NgramDrafter, NoDrafter)
 from specdecode.drafters import draft_model, recycle, suffix
+from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.recycle import RecycleDrafter
@@ -27,7 +28,7 @@ SHAPES = ("chain", "tree")
 class Method:
     name: str
     summary: str  # one line for --help and the docs
-    # What --draft names: "model" (a draft model with the target's tokenizer), a head kind ("eagle", "medusa":
+    # What --draft names: "model" (a draft model, any tokenizer), a head kind ("eagle", "medusa":
     # the folder `specdecode train KIND` wrote), or None (nothing).
     draft: str | None
     default_shape: str  # "chain" or "tree" when --draft-shape is not given
@@ -50,9 +51,13 @@ class Method:
         return self.draft if self.draft not in (None, "model") else None
 
 
-def _draft_model(models: Models, tree: bool, max_ngram: int) -> DraftModelDrafter:
+def _draft_model(models: Models, tree: bool, max_ngram: int) -> Drafter:
     # Measured side by side (BENCHMARKS.md, "Trees, the draft size chooser"): on a 2-core CPU a draft model's
     # siblings rarely pay for the wider draft forwards and verify rows they cost: chains by default.
+    if models.draft_bridge is not None:  # another tokenizer: a greedy chain in its own tokens, mapped as text
+        inner = DraftModelDrafter(models.draft, vocab_size=len(models.draft_bridge.draft),
+                                  min_confidence=DRAFT_MIN_CONFIDENCE, head_tokens=models.draft_head_tokens)
+        return CrossTokenizerDrafter(inner, models.draft_bridge)
     return DraftModelDrafter(models.draft, vocab_size=models.target.config.vocab_size,
                              min_confidence=DRAFT_MIN_CONFIDENCE, width=draft_model.TREE_WIDTH if tree else 1,
                              expand=draft_model.TREE_EXPAND if tree else 1, head_tokens=models.draft_head_tokens)
@@ -104,7 +109,8 @@ def _ngram(models: Models, tree: bool, max_ngram: int) -> NgramDrafter:
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("none", "plain decoding through the same engine: the baseline", None, "chain", False,
            lambda models, tree, max_ngram: NoDrafter()),
-    Method("draft", "a smaller model with the target's tokenizer drafts every step", "model", "chain", True,
+    Method("draft", "a smaller model drafts every step (one with another tokenizer drafts text, mapped to the "
+           "target's tokens)", "model", "chain", True,
            _draft_model),
     Method("ngram", "prompt lookup: copies what followed an earlier match of the last tokens", None, "tree", True,
            _ngram),

@@ -228,6 +228,24 @@ def _check_gguf_magic(path: Path) -> None:
             raise SpecdecodeError(f"{path} is neither a model folder nor a GGUF file (no GGUF magic bytes)")
 
 
+def gguf_architecture(gguf: Path) -> str | None:
+    """The file's `general.architecture` (llama, qwen2, gemma3, ...), read from the header alone: it comes before
+    the vocabulary arrays in files written by llama.cpp's tools. None when a value of another kind comes first."""
+    with gguf.open("rb") as file:
+        magic, _version, _tensors, count = struct.unpack("<4sIQQ", file.read(24))
+        if magic != GGUF_MAGIC:
+            return None
+        for _ in range(count):
+            key = file.read(struct.unpack("<Q", file.read(8))[0]).decode(errors="replace")
+            kind = struct.unpack("<I", file.read(4))[0]
+            if kind != 8:  # not a string: its size would need the value types' table
+                return None
+            value = file.read(struct.unpack("<Q", file.read(8))[0]).decode(errors="replace")
+            if key == "general.architecture":
+                return value
+    return None
+
+
 def guard_gguf(gguf: Path, read: Callable[[], T]) -> T:
     # gguf-py reports a damaged file from deep inside numpy (reshape, struct); say what it means instead.
     try:

@@ -149,7 +149,8 @@ def test_cache_dir_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
 
 def test_real_registry_is_consistent() -> None:
-    counts = {"smollm2-135m-instruct": 1, "qwen2.5-coder-1.5b-instruct": 22, "qwen2.5-coder-0.5b-instruct": 6}
+    counts = {"smollm2-135m-instruct": 1, "qwen2.5-coder-1.5b-instruct": 22, "qwen2.5-coder-0.5b-instruct": 6,
+              "gemma-3-270m": 4}
     assert {name: len(entry.parts) for name, entry in hub.REGISTRY.items()} == counts
     for name, entry in hub.REGISTRY.items():
         assert entry.filename == f"{name}.gguf"

@@ -116,6 +116,10 @@ def test_metrics_counters_move(client, http):
     per_pos = sum(delta("specdecode:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
                   for i in range(8))
     assert per_pos == spec["accepted_tokens"]
+    for drafter, counts in spec["by_drafter"].items():  # acceptance per drafter, as hybrid's steps chose them
+        assert delta("specdecode:spec_decode_num_draft_tokens_by_drafter_total", drafter=drafter) == counts["drafted"]
+        assert delta("specdecode:spec_decode_num_accepted_tokens_by_drafter_total",
+                     drafter=drafter) == counts["accepted"]
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
         assert delta(f"specdecode:{hist}_count") == 1
     assert delta("specdecode:inter_token_latency_seconds_count") == out.usage.completion_tokens - 1

@@ -57,22 +57,22 @@ def run_bench(prompts: list[Prompt], runners: dict[str, Runner], encode: Encode,
     if warmup:
         warm = dataclasses.replace(prompts[0], turns=prompts[0].turns[:1])
         for method in tqdm(methods, desc="warm-up", file=sys.stderr, disable=not progress, leave=False):
-            before = _snapshot(runners[method])
+            before = snapshot(runners[method])
             run_prompt(runners[method], warm, encode, decode, params, device)
-            _restore(runners[method], before)  # a drafter that learns across requests forgets the warm-up
+            restore(runners[method], before)  # a drafter that learns across requests forgets the warm-up
     runs: list[Run] = []
     bar = tqdm(total=len(prompts) * repeats * len(methods), desc="bench", unit="gen", file=sys.stderr,
                disable=not progress)
     for index, prompt in enumerate(prompts):
         # Drafters that learn across requests (suffix pool, recycling table) hold the earlier prompts' answers, as
         # a server would; each repeat of this prompt starts from that memory, never from its own earlier answer.
-        memory = {method: _snapshot(runners[method]) for method in methods}
+        memory = {method: snapshot(runners[method]) for method in methods}
         for repeat in range(repeats):
             shift = (index * repeats + repeat) % len(methods)
             for method in methods[shift:] + methods[:shift]:
                 bar.set_postfix_str(f"{prompt.dataset}:{prompt.id} {method}", refresh=False)
                 if repeat:
-                    _restore(runners[method], memory[method])
+                    restore(runners[method], memory[method])
                 turns = run_prompt(runners[method], prompt, encode, decode, params, device)
                 runs.append(Run(method, prompt, repeat, turns))
                 bar.update()
@@ -80,11 +80,11 @@ def run_bench(prompts: list[Prompt], runners: dict[str, Runner], encode: Encode,
     return runs
 
 
-def _snapshot(runner: Runner) -> list:
+def snapshot(runner: Runner) -> list:
     return runner.snapshot() if hasattr(runner, "snapshot") else []
 
 
-def _restore(runner: Runner, snapshot: list) -> None:
+def restore(runner: Runner, snapshot: list) -> None:
     if snapshot:
         runner.restore(snapshot)
 

@@ -52,8 +52,16 @@ def runner_is_ours(method: str) -> bool:
     return method not in MIRRORS
 
 
+def with_draft(method: str) -> tuple[str, str | None]:
+    """'draft@smollm2-135m-instruct' -> ('draft', that draft model): a method over another draft than --draft, so
+    one run compares drafts; 'draft' -> ('draft', None)."""
+    name, _, draft = method.partition("@")
+    return name, draft or None
+
+
 def drafter_and_shape(method: str) -> tuple[str, str | None]:
     """'draft-tree' -> ('draft', 'tree'); 'draft' -> ('draft', None: its default shape); 'draft-lora' -> draft."""
+    method = with_draft(method)[0]
     if method == TUNED_DRAFT:
         return "draft", None
     name, _, shape = method.rpartition("-")
@@ -73,9 +81,13 @@ def needs_draft_model(method: str) -> bool:
 def parse_methods(text: str) -> list[str]:
     """'none,draft,hf' -> a checked list without duplicates; the baseline `none` is always run (first)."""
     methods = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    unknown = [m for m in methods if m not in all_methods()]
+    unknown = [m for m in methods if with_draft(m)[0] not in all_methods()]
     if unknown:
         raise SpecdecodeError(f"unknown method '{unknown[0]}': choose from {', '.join(all_methods())}")
+    for method in methods:
+        name, draft = with_draft(method)
+        if draft is not None and (not runner_is_ours(name) or name == TUNED_DRAFT or not needs_draft_model(name)):
+            raise SpecdecodeError(f"'{method}': only our methods that run a draft model take @DRAFT")
     return [BASELINE] + [m for m in methods if m != BASELINE]
 
 
@@ -97,6 +109,7 @@ class BenchModels:
     hf_draft: torch.nn.Module | None = None
     target_gguf: Path | None = None  # the file llama.cpp runs
     tuned_draft: Models | None = None  # the draft with its LoRA adapter (draft-lora)
+    drafts: dict[str, Models] = field(default_factory=dict)  # METHOD@DRAFT: each other draft model, loaded once
     trained: dict[str, str] = field(default_factory=dict)  # eagle / medusa -> the folder `specdecode train` wrote
     head_weights: dict[str, torch.nn.Module] = field(default_factory=dict)  # method -> its trained head, once built
 
@@ -123,15 +136,19 @@ def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, dev
         raise SpecdecodeError(f"target '{target}' ships no tokenizer; the benchmark needs one to encode prompts")
     models = BenchModels(Models(model, tokenizer), trained=dict(trained or {}))
     ours = [m for m in methods if m != "hf-assisted"]
-    if any(needs_draft_model(m) for m in ours if m != TUNED_DRAFT):
-        models.ours.draft, models.ours.draft_head_tokens = load_draft(draft, plan, device, tokenizer, target, None,
-                                                                      draft_vocab, draft_vocab_corpus)
+    if any(needs_draft_model(m) for m in ours if m != TUNED_DRAFT and with_draft(m)[1] is None):
+        models.ours.draft, models.ours.draft_head_tokens, models.ours.draft_bridge = load_draft(
+            draft, plan, device, tokenizer, target, None, draft_vocab, draft_vocab_corpus)
     elif "hf-assisted" in methods:
-        check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft)
+        check_same_tokenizer(tokenizer, load_tokenizer(draft), target, draft, "hf-assisted")
     if TUNED_DRAFT in methods:
-        tuned, head = load_draft(draft, plan, device, tokenizer, target, draft_adapter, draft_vocab,
-                                 draft_vocab_corpus)
-        models.tuned_draft = Models(model, tokenizer, tuned, head)
+        tuned, head, bridge = load_draft(draft, plan, device, tokenizer, target, draft_adapter, draft_vocab,
+                                         draft_vocab_corpus)
+        models.tuned_draft = Models(model, tokenizer, tuned, head, draft_bridge=bridge)
+    for other in dict.fromkeys(d for m in ours if (d := with_draft(m)[1]) is not None):
+        drafted, head, bridge = load_draft(other, plan, device, tokenizer, target, None, draft_vocab,
+                                           draft_vocab_corpus)
+        models.drafts[other] = Models(model, tokenizer, drafted, head, draft_bridge=bridge)
     hf_dtype = torch.bfloat16 if plan.weights == "stored" else plan.dtype
     if any(m in HF_METHODS for m in methods):
         models.hf_target = load_hf(target, hf_dtype, device)
@@ -164,13 +181,21 @@ def build_runners(methods: list[str], models: BenchModels, override_k: int | Non
             runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, min(max_len, 4096), k, max_ngram)
         else:
             name, shape = drafter_and_shape(method)
-            over = models.tuned_draft if method == TUNED_DRAFT else models.ours
+            over = draft_models(method, models)
             drafter = build_drafter(name, replace(over, trained=models.trained.get(name)), shape, max_ngram)
             if (head := drafter.trained_weights) is not None:
                 models.head_weights[method] = head
             decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len, costs)
             runners[method] = SpecRunner(decoder, models.target.device)
     return runners
+
+
+def draft_models(method: str, models: BenchModels) -> Models:
+    """The models a method of ours runs over: the tuned draft's, an @DRAFT's, or --draft's."""
+    if method == TUNED_DRAFT:
+        return models.tuned_draft
+    other = with_draft(method)[1]
+    return models.drafts[other] if other is not None else models.ours
 
 
 def hf_options(method: str, models: BenchModels, k: int, max_ngram: int) -> dict[str, Any]:
@@ -194,7 +219,7 @@ def weights_bytes(method: str, models: BenchModels) -> int:
     if method in HF_METHODS:
         used = [models.hf_target] + ([models.hf_draft] if method == "hf-assisted" else [])
     else:
-        draft = models.tuned_draft.draft if method == TUNED_DRAFT else models.ours.draft
+        draft = draft_models(method, models).draft
         used = [models.target] + ([draft] if needs_draft_model(method) else [])
         used += [models.head_weights[method]] if method in models.head_weights else []
     tensors = {t.data_ptr(): t.numel() * t.element_size() for m in used for t in model_tensors(m)}

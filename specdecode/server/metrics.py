@@ -48,6 +48,12 @@ class Metrics:
         self._drafted_per_pos = counter("spec_decode_num_drafts_per_pos",
                                         "Drafts that reached this depth (per-depth acceptance = accepted / this).",
                                         ("position",))
+        self._drafted_by = counter("spec_decode_num_draft_tokens_by_drafter",
+                                   "Draft tokens proposed, by the drafter that proposed them (hybrid chooses one "
+                                   "per step).", ("drafter",))
+        self._accepted_by = counter("spec_decode_num_accepted_tokens_by_drafter",
+                                    "Draft tokens accepted, by the drafter that proposed them (acceptance = this / "
+                                    "num_draft_tokens_by_drafter).", ("drafter",))
         self.num_tree_steps = counter("spec_decode_num_tree_steps",
                                       "Decode steps that verified a tree (several guesses at some depth).").labels(**labels)
         self.running = Gauge(P + "num_requests_running", "Requests generating now.", names,
@@ -111,6 +117,9 @@ class Metrics:
         for pos, (drafted, accepted) in enumerate(zip(stats.drafted_at, stats.accepted_at)):
             self._accepted_per_pos.labels(**self._labels, position=str(pos)).inc(accepted)
             self._drafted_per_pos.labels(**self._labels, position=str(pos)).inc(drafted)
+        for drafter, (drafted, accepted) in stats.by_drafter.items():
+            self._drafted_by.labels(**self._labels, drafter=drafter).inc(drafted)
+            self._accepted_by.labels(**self._labels, drafter=drafter).inc(accepted)
         for seconds in stats.token_latencies_s:
             self.itl.observe(seconds)
 

@@ -33,7 +33,7 @@ def train_and_save(args: argparse.Namespace, target: torch.nn.Module, tokenizer,
     from specdecode.weights import load_checkpoint
 
     ckpt = load_checkpoint(args.draft, torch.float32)
-    check_same_tokenizer(tokenizer, ckpt.tokenizer, args.target, args.draft)
+    check_same_tokenizer(tokenizer, ckpt.tokenizer, args.target, args.draft, "a LoRA draft")
     config = transformers.AutoConfig.for_model(**ckpt.config)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(ckpt.state_dict, strict=False)
