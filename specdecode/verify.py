@@ -2,7 +2,9 @@
 
 Glossary (vLLM's):
 - *draft* tokens: proposed by a drafter; `draft_probs` is the distribution they were drawn from (None = a point
-  mass: the drafter was deterministic, as n-gram lookup or greedy drafting is).
+  mass: the drafter was deterministic, as n-gram lookup or greedy drafting is). A draft model of another
+  tokenizer is in this case: its greedy text, tokenized for the target, is a function of the context alone, and
+  its own probabilities are over other tokens, so it proposes point masses (drafters/cross_tokenizer.py).
 - *target*: the model whose output distribution we must reproduce exactly; `target_probs` is its distribution
   after temperature / top-k / top-p.
 - *accepted*: the draft prefix kept. *recovered*: the token sampled after a rejection. *bonus*: the token
