@@ -113,7 +113,10 @@ def _head_kind(folder: str) -> str:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise SpecdecodeError(f"--head {folder}: no config.json there; pass the folder `specdecode train` wrote")
-    kind = json.loads(path.read_text()).get("kind")
+    try:
+        kind = json.loads(path.read_text()).get("kind")
+    except (json.JSONDecodeError, AttributeError):
+        raise SpecdecodeError(f"--head {folder}: its config.json is not a drafter's (not a JSON object)") from None
     if kind not in ("eagle", "medusa"):
         raise SpecdecodeError(f"--head {folder}: holds a '{kind}' drafter, not an EAGLE or Medusa head")
     return kind

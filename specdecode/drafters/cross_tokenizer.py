@@ -15,7 +15,6 @@ is accepted with probability p(x), which the draft's likeliest guess maximises a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Generator
 
 import torch
@@ -40,7 +39,6 @@ class CrossTokenizerDrafter(Wrapping):
         self.side = DraftSide(bridge)
         self.cached: list[int] = []  # the draft tokens in the inner model's cache, in order
         self.fed: list[int] = []  # the context and the chain of the last draft, in the draft's tokens
-        self.mapping_s = 0.0  # the last step's seconds spent between the tokenizers
         inner.name = self.name
 
     def fork(self) -> CrossTokenizerDrafter:
@@ -59,22 +57,19 @@ class CrossTokenizerDrafter(Wrapping):
         return super().propose(ctx, max_tokens)
 
     def drafting(self, ctx: DraftContext, max_tokens: int) -> Generator[Part, torch.Tensor, Draft]:
-        started = time.perf_counter()
         context = self.side.update(ctx.tokens) if max_tokens > 0 else None
         if not context:  # nothing asked, or the text ends inside a character: nothing to read yet
             self.fed = []
             return Draft.empty()
         self._roll_back(context)
-        mapping = time.perf_counter() - started
         inner_ctx = DraftContext(context, GREEDY, None, plan=ctx.plan, max_depth=ctx.max_depth)
         guess = yield from self.inner.drafting(inner_ctx, max_tokens)
-        started = time.perf_counter()
         self.fed = context + guess.tokens.tolist()
         self.cached = self.fed[: self.inner.cache.length]  # the chain's fed tokens follow the context in order
         tokens, owners = self.bridge.to_target(ctx.tokens, guess.tokens.tolist())
-        tokens, owners = tokens[:max_tokens], owners[:max_tokens]
+        keep = min(max_tokens, ctx.max_depth)  # a target token may take less text than a draft token
+        tokens, owners = tokens[:keep], owners[:keep]
         scores = [guess.scores[i] for i in owners] if guess.scores else None
-        self.mapping_s = mapping + time.perf_counter() - started
         return Draft.chain(torch.tensor(tokens, dtype=torch.long), scores=scores)
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
