@@ -110,13 +110,9 @@ def candidate_list(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def _head_kind(folder: str) -> str:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise SpecdecodeError(f"--head {folder}: no config.json there; pass the folder `specdecode train` wrote")
-    try:
-        kind = json.loads(path.read_text()).get("kind")
-    except (json.JSONDecodeError, AttributeError):
-        raise SpecdecodeError(f"--head {folder}: its config.json is not a drafter's (not a JSON object)") from None
+    from specdecode.drafters.store import read_meta
+
+    kind = read_meta(folder).get("kind")
     if kind not in ("eagle", "medusa"):
         raise SpecdecodeError(f"--head {folder}: holds a '{kind}' drafter, not an EAGLE or Medusa head")
     return kind

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from specdecode.bench.data import Prompt
-from specdecode.bench.harness import Decode, Encode, Run, restore, run_prompt, snapshot
+from specdecode.bench.harness import Decode, Encode, Run, run_prompt, warm_up
 from specdecode.bench.runners import Runner
 from specdecode.config import SamplingParams
 
@@ -39,13 +39,10 @@ def measure(prompts: list[Prompt], runners: dict[str, Runner], encode: Encode, d
                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s {postfix}")
     done = 0
     try:
-        warm = dataclasses.replace(prompts[0], turns=prompts[0].turns[:1])
         for method in methods:
             bar.set_postfix_str(f"warm-up {method}")
-            before = snapshot(runners[method])
-            run_prompt(runners[method], warm, encode, decode, dataclasses.replace(params, max_new_tokens=WARMUP_TOKENS),
-                       device)
-            restore(runners[method], before)  # learning drafters forget the warm-up
+            warm_up(runners[method], prompts[0], encode, decode,
+                    dataclasses.replace(params, max_new_tokens=WARMUP_TOKENS), device)
             _tick(bar, started)
         rounds: list[float] = []  # seconds each prompt's round took
         for index, prompt in enumerate(prompts):

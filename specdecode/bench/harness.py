@@ -55,11 +55,8 @@ def run_bench(prompts: list[Prompt], runners: dict[str, Runner], encode: Encode,
     device = torch.device(device)
     methods = list(runners)
     if warmup:
-        warm = dataclasses.replace(prompts[0], turns=prompts[0].turns[:1])
         for method in tqdm(methods, desc="warm-up", file=sys.stderr, disable=not progress, leave=False):
-            before = snapshot(runners[method])
-            run_prompt(runners[method], warm, encode, decode, params, device)
-            restore(runners[method], before)  # a drafter that learns across requests forgets the warm-up
+            warm_up(runners[method], prompts[0], encode, decode, params, device)
     runs: list[Run] = []
     bar = tqdm(total=len(prompts) * repeats * len(methods), desc="bench", unit="gen", file=sys.stderr,
                disable=not progress)
@@ -78,6 +75,14 @@ def run_bench(prompts: list[Prompt], runners: dict[str, Runner], encode: Encode,
                 bar.update()
     bar.close()
     return runs
+
+
+def warm_up(runner: Runner, prompt: Prompt, encode: Encode, decode: Decode, params: SamplingParams,
+            device: torch.device) -> None:
+    """One untimed generation of the prompt's first turn; a drafter that learns across requests forgets it."""
+    before = snapshot(runner)
+    run_prompt(runner, dataclasses.replace(prompt, turns=prompt.turns[:1]), encode, decode, params, device)
+    restore(runner, before)
 
 
 def snapshot(runner: Runner) -> list:

@@ -60,16 +60,20 @@ def save(out: Path, kind: str, config: dict[str, Any], tensors: dict[str, torch.
         os.replace(staging, out)
 
 
-def read_meta(folder: str | Path, kind: str) -> dict[str, Any]:
+def read_meta(folder: str | Path, kind: str | None = None) -> dict[str, Any]:
+    """The folder's config.json, checked to be a `kind` drafter's (None: any kind)."""
     folder = Path(folder)
     path = folder / CONFIG
     if not path.is_file():
-        raise SpecdecodeError(f"{folder}: no {CONFIG} here; pass the folder `specdecode train {kind}` wrote")
+        raise SpecdecodeError(f"{folder}: no {CONFIG} here; pass the folder `specdecode train {kind or 'KIND'}` "
+                              "wrote")
     try:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise SpecdecodeError(f"{path}: not valid JSON ({e.msg})") from None
-    if meta.get("kind") != kind:
+    if not isinstance(meta, dict):
+        raise SpecdecodeError(f"{path}: not a drafter's config (a JSON object)")
+    if kind is not None and meta.get("kind") != kind:
         raise SpecdecodeError(f"{folder} holds a '{meta.get('kind')}' drafter, not '{kind}': use "
                               f"--method {meta.get('kind')}")
     return meta
