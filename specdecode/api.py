@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,6 +26,8 @@ from specdecode.engine import Engine, Step
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, load_models, plan_load
 from specdecode.methods import DEFAULT_METHOD, build_drafter, get_method, shape_of, trained_folder
+from specdecode.rules.grammar import Constraint, GrammarCompiler
+from specdecode.sequence import TokenLogprob
 from specdecode.stats import GenerationStats
 from specdecode.text import TextStream
 from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
@@ -41,6 +43,7 @@ class TextChunk:
     from_draft: list[bool]  # per token: proposed by the drafter and accepted by the target
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
     drafted_by: list[str | None] = field(default_factory=list)  # per token: which drafter proposed it (None: not)
+    logprobs: list[TokenLogprob] | None = None  # per token, when SamplingParams.logprobs asked
 
     @property
     def text(self) -> str:
@@ -54,6 +57,8 @@ class Generation:
     from_draft: list[bool]
     finish_reason: str | None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None  # per token (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (SamplingParams.prompt_logprobs)
 
 
 class SpecDecoder:
@@ -63,6 +68,7 @@ class SpecDecoder:
         self.method = method
         self.engine = Engine(target, drafter, num_draft_tokens, max_len, costs)
         self._home = threading.get_ident()  # the thread that built it: where its models were loaded
+        self._grammars: GrammarCompiler | None = None
 
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = DEFAULT_METHOD,
@@ -121,6 +127,26 @@ class SpecDecoder:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output constraints for this target's tokenizer (SamplingParams.grammar)."""
+        if self._grammars is None:
+            target = self.engine.target
+            self._grammars = GrammarCompiler(self.tokenizer, target.config.vocab_size, self.engine.eos)
+        return self._grammars
+
+    def response_format(self, fmt: dict | None) -> Constraint | None:
+        """OpenAI's response_format -> the constraint SamplingParams.grammar takes: {"type": "json_object"} or
+        {"type": "json_schema", "json_schema": {"schema": {...}}}; {"type": "text"} or None: none."""
+        kind = (fmt or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return self.grammars.json_object()
+        if kind == "json_schema":
+            return self.grammars.json_schema(fmt.get("json_schema", {}).get("schema", {}))
+        raise SpecdecodeError(f"response_format type '{kind}' is not supported (text, json_object, json_schema)")
+
     def encode_prediction(self, prediction: str | list[int] | None) -> list[int] | None:
         """Predicted Outputs: the text the answer is expected to be (a file being edited) -> its token ids."""
         if prediction is None or isinstance(prediction, list):
@@ -151,13 +177,46 @@ class SpecDecoder:
 
     def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False,
                  num_draft_tokens: int | None = None, prediction: str | list[int] | None = None) -> Generation:
-        pieces, ids, flags, reason = [], [], [], None
+        out = Generation("", [], [], None, logprobs=[] if params.logprobs is not None else None)
         for chunk in self.stream(prompt, params, chat, num_draft_tokens, prediction):
-            pieces.append(chunk.text)
-            ids += chunk.token_ids
-            flags += chunk.from_draft
-            reason = chunk.finish_reason
-        return Generation("".join(pieces), ids, flags, reason, self.stats)
+            _extend(out, chunk)
+        out.stats = self.stats
+        out.prompt_logprobs = self.engine.last.prompt_logprobs
+        return out
+
+    def generate_n(self, prompt: str | list[int] | list[dict], params: SamplingParams, n: int,
+                   chat: bool = False, num_draft_tokens: int | None = None) -> list[Generation]:
+        """`n` independent answers to one prompt, prefilled once. With a seed, answer i draws from seed + i (so
+        answer 0 is the one `generate` gives with that seed)."""
+        if n < 1:
+            raise SpecdecodeError(f"n must be >= 1, got {n}")
+        ids = self.encode(prompt, chat)
+        engine = self.engine
+        if engine.running:
+            raise SpecdecodeError("generate_n runs alone; this engine is serving others (use add/step)")
+        engine.check(ids, params, num_draft_tokens, n=n)
+        choices = [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+        seqs = [engine.add(ids, choices[0], num_draft_tokens)]
+        seqs += [engine.add(ids, p, num_draft_tokens, leader=seqs[0]) for p in choices[1:]]
+        outs = [Generation("", [], [], None, logprobs=[] if params.logprobs is not None else None) for _ in seqs]
+        texts = {id(seq): TextStream(self.tokenizer, params.stop) for seq in seqs}
+        where = {id(seq): i for i, seq in enumerate(seqs)}
+        try:
+            while engine.running:
+                for seq, step in engine.step():
+                    if isinstance(step, Exception):
+                        raise step
+                    text = texts[id(seq)]
+                    chunk = text_chunk(text, step)
+                    if text.stopped:
+                        engine.stop(seq, len(step.tokens) - len(chunk.token_ids))
+                    _extend(outs[where[id(seq)]], chunk)
+        finally:
+            for seq in seqs:
+                engine.remove(seq)
+        for seq, out in zip(seqs, outs):
+            out.stats, out.prompt_logprobs = seq.stats, seq.prompt_logprobs
+        return outs
 
 
 def text_chunk(text: TextStream, step: Step) -> TextChunk:
@@ -167,7 +226,18 @@ def text_chunk(text: TextStream, step: Step) -> TextChunk:
     reason = "stop" if text.stopped else step.finish_reason
     if reason is not None and pieces:
         pieces[-1] += text.flush()
-    return TextChunk(pieces, step.tokens[:kept], flags, reason, [step.drafter if f else None for f in flags])
+    logprobs = None if step.logprobs is None else step.logprobs[:kept]
+    return TextChunk(pieces, step.tokens[:kept], flags, reason, [step.drafter if f else None for f in flags],
+                     logprobs)
+
+
+def _extend(out: Generation, chunk: TextChunk) -> None:
+    out.text += chunk.text
+    out.token_ids += chunk.token_ids
+    out.from_draft += chunk.from_draft
+    out.finish_reason = chunk.finish_reason
+    if out.logprobs is not None and chunk.logprobs is not None:
+        out.logprobs += chunk.logprobs
 
 
 def verify_costs(model: torch.nn.Module, target: str, plan: LoadPlan, device: str) -> CostCurve:

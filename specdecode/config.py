@@ -14,6 +14,7 @@ from specdecode.errors import SpecdecodeError
 # Families model.py implements natively; anything else goes through hf_model.HFModel.
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 NATIVE_ROPE_SCALING = ("linear", "llama3")
+MAX_TOP_LOGPROBS = 20  # alternatives per token OpenAI allows
 
 
 @dataclass
@@ -99,6 +100,16 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # The target's distribution is defined after these, drafts or not (rules/): OpenAI's and vLLM's meanings.
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides a positive logit (multiplies a negative) of a token in prompt or output
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_p: float = 0.0  # after temperature: drop tokens below min_p times the likeliest token's probability
+    min_tokens: int = 0  # EOS is impossible before this many new tokens
+    logprobs: int | None = None  # report each new token's log-probability and this many alternatives (None: off)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
+    grammar: Any = None  # a compiled constraint (rules/grammar.py): only text it accepts can be sampled
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -109,6 +120,30 @@ class SamplingParams:
             raise SpecdecodeError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
         if self.max_new_tokens < 1:
             raise SpecdecodeError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise SpecdecodeError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise SpecdecodeError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise SpecdecodeError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise SpecdecodeError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise SpecdecodeError(f"logit_bias: token ids are integers >= 0, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise SpecdecodeError(f"logit_bias: a bias must be in [-100, 100], got {bias} for token {token}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise SpecdecodeError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything but temperature, top-k, top-p and min-p defines the distribution (rules/)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens or self.grammar is not None)
 
     @property
     def greedy(self) -> bool:

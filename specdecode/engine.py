@@ -44,6 +44,7 @@ __all__ = ["Engine", "Sequence", "Step", "StepInfo", "check_prompt", "kv_budget_
 
 PREFILL_ROWS_BUSY = 64  # prompt rows per step while other requests decode (their inter-token latency)
 PREFILL_ROWS_IDLE = 512  # prompt rows per step when nobody decodes
+PREFILL_ROWS_ECHO = 64  # prompt rows per step of a request that wants every row's logits (prompt logprobs)
 
 Outcome = tuple[Sequence, "Step | Exception"]
 
@@ -103,27 +104,35 @@ class Engine:
     def kv_reserved(self) -> int:
         return sum(self.kv_cost(slots) for slots in self.reserved.values())
 
-    def can_admit(self, prompt_len: int, params: SamplingParams) -> bool:
-        return (len(self.running) < self.max_running and self.kv_reserved
-                + self.kv_cost(self.reservation(prompt_len, params)) <= self.kv_budget_tokens)
+    def can_admit(self, prompt_len: int, params: SamplingParams, count: int = 1) -> bool:
+        """Whether `count` such requests (n > 1: one per choice) can start now."""
+        return (len(self.running) + count <= self.max_running and self.kv_reserved
+                + count * self.kv_cost(self.reservation(prompt_len, params)) <= self.kv_budget_tokens)
 
     def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
-              prediction: list[int] | None = None) -> None:
-        """Raise SpecdecodeError for a request this engine could never run."""
+              prediction: list[int] | None = None, n: int = 1) -> None:
+        """Raise SpecdecodeError for a request this engine could never run (`n`: its choices run at once)."""
         check_prompt(prompt_ids, self.max_len)
         if prediction is not None:
             check_prediction(prediction, self.max_len - len(prompt_ids))
-        need = self.kv_cost(self.reservation(len(prompt_ids), params))
+        vocab = self.target.config.vocab_size
+        if bad := [t for t in params.logit_bias if t >= vocab]:
+            raise SpecdecodeError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        need = n * self.kv_cost(self.reservation(len(prompt_ids), params))
         if need > self.kv_budget_tokens:
-            raise SpecdecodeError(f"the request needs {need} KV cache slots (prompt + max_tokens + a draft) but "
-                                  f"the KV budget is {self.kv_budget_tokens}: lower max_tokens or shorten the prompt")
+            what = f"{n} choices need" if n > 1 else "the request needs"
+            raise SpecdecodeError(f"{what} {need} KV cache slots (prompt + max_tokens + a draft each) but the KV "
+                                  f"budget is {self.kv_budget_tokens}: lower max_tokens or n, or shorten the prompt")
+        if n > self.max_running:
+            raise SpecdecodeError(f"n is {n} but at most {self.max_running} requests run at once: lower n")
         self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
-            prediction: list[int] | None = None) -> Sequence:
+            prediction: list[int] | None = None, leader: Sequence | None = None) -> Sequence:
         """Start a request; it joins the next step. Check `can_admit` first (this raises when it cannot).
         `num_draft_tokens` overrides the engine's draft size for this request (None = the engine's).
-        `prediction`: the output the client expects (Predicted Outputs), copied where the output follows it."""
+        `prediction`: the output the client expects (Predicted Outputs), copied where the output follows it.
+        `leader`: a running request with the same prompt (n > 1) whose prefill this one copies, not repeats."""
         self.check(prompt_ids, params, num_draft_tokens, prediction)
         if not self.can_admit(len(prompt_ids), params):
             raise SpecdecodeError("the batch is full: wait for a running request to finish")
@@ -138,6 +147,8 @@ class Engine:
                 k = PREDICTION_DRAFT_TOKENS
         seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos, k, self.target.device)
         seq.stats.verify_costs = self.costs if seq.auto else None
+        if leader is not None and leader in self.reserved and leader.prefilling and leader.tokens == seq.tokens:
+            seq.leader = leader
         self.running.append(seq)
         self.reserved[seq] = need
         self.planner.join(seq)
@@ -149,6 +160,9 @@ class Engine:
             self.running.remove(seq)
             del self.reserved[seq]
             self.planner.leave(seq)
+            for other in self.running:
+                if other.leader is seq:  # its prefill will never come: it prefills on its own
+                    other.leader = None
             if seq.finish_reason is not None:
                 seq.drafter.finished(seq.tokens[seq.stats.prompt_tokens :])
 
@@ -191,8 +205,8 @@ class Engine:
         owners: list[Sequence] = []
         room = PREFILL_ROWS_BUSY if decoding else PREFILL_ROWS_IDLE
         for seq in self.running:
-            if seq.prefilling and room > 0:
-                n = min(room, seq.prompt_left)
+            if seq.prefilling and room > 0 and seq.leader is None:
+                n = min(room, seq.prompt_left, PREFILL_ROWS_ECHO if seq.prompt_logprobs is not None else room)
                 self._ensure_slots(seq, seq.fed + n)
                 parts.append(seq.prefill_part(n, self.prompt_decode))
                 owners.append(seq)
@@ -218,6 +232,8 @@ class Engine:
             try:
                 if seq.prefilling:
                     step = seq.prefilled(part.tokens.numel(), logits, hidden)
+                    if step is not None:
+                        results += self._copy_prefill(seq, logits[-1:])
                 else:
                     step = seq.verified(logits, hidden)
                     self.planner.learn(seq, step)
@@ -228,6 +244,17 @@ class Engine:
                 results.append((seq, step))
         self.last_step = StepInfo(len(owners), rows, prefill_rows, [len(s.draft) for s in decoding])
         return self._finish(results)
+
+    def _copy_prefill(self, leader: Sequence, last_logits: torch.Tensor) -> list[Outcome]:
+        """The requests that wait for `leader`'s prompt (n > 1) take it now -> their first Steps."""
+        out: list[Outcome] = []
+        for seq in [s for s in self.running if s.leader is leader]:
+            try:
+                self._ensure_slots(seq, leader.fed)
+                out.append((seq, seq.adopt_prefill(leader, last_logits)))
+            except Exception as e:  # noqa: BLE001 - that request alone
+                out.append((seq, e))
+        return out
 
     def _finish(self, results: list[Outcome]) -> list[Outcome]:
         """Remove the requests that ended (finished or failed) -> `results`."""
@@ -248,7 +275,7 @@ class Engine:
             budget, ctx = seq.draft_request(self.planner.plan(seq, len(decoding), prefill_rows))
             if seq.proposed:
                 asked.append((seq, budget, ctx))
-            else:
+            else:  # nothing to draft, or the grammar's forced tokens
                 seq.proposed_draft(Draft.empty(self.target.device))
         failed = self._propose_all(asked)
         broken = {id(s) for s, _ in failed}

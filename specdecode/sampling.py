@@ -37,11 +37,15 @@ def greedy_top1(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[..., vocab] logits -> [..., vocab] float32 probabilities (greedy: one-hot at the argmax)."""
+    """[..., vocab] logits -> [..., vocab] float32 probabilities (greedy: one-hot at the argmax). Temperature, then
+    min-p, top-k and top-p."""
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
+    if params.min_p > 0:  # after temperature, before top-k and top-p (vLLM's order)
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

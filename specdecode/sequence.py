@@ -25,9 +25,14 @@ from specdecode.kv_cache import KVCache
 from specdecode.masks import tree_mask
 from specdecode.model import Part, chain_part
 from specdecode.planner import MAX_AUTO_NODES, StepPlan
+from specdecode.rules import OutputRules
 from specdecode.sampling import greedy_tokens, make_generator, sample, to_probs
 from specdecode.stats import GenerationStats
 from specdecode.verify import verify_chain, verify_tree
+
+
+# A token's log-probability under the target, and its `logprobs` likeliest alternatives as (token id, logprob)
+TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass(slots=True)
@@ -37,6 +42,7 @@ class Step:
     num_accepted: int  # the first num_accepted of `tokens` (or fewer, after a cut) came from the draft
     finish_reason: str | None  # None, "stop" (EOS) or "length" (max_new_tokens or context)
     drafter: str | None = None  # who proposed the accepted tokens (Drafter.proposer), None without a draft
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked (SamplingParams.logprobs)
 
 
 class Sequence:
@@ -69,6 +75,11 @@ class Sequence:
         self.draft_seconds = 0.0  # what proposing took this step
         self.finish_reason: str | None = None
         self.started = self.step_started = time.perf_counter()
+        self.rules = OutputRules(params, prompt_ids, eos_token_ids)
+        self.free_draft = False  # this step's draft is the grammar's forced tokens, not the drafter's
+        # Prompt logprobs (echo): None for the first token, which nothing predicts.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
+        self.leader: Sequence | None = None  # n > 1: the request whose prefill this one copies
 
     @property
     def auto(self) -> bool:
@@ -86,25 +97,48 @@ class Sequence:
         """The next prompt tokens to feed (at most `max_rows`); `decode`: as one-token forwards would."""
         n = min(max_rows, self.prompt_left)
         ids = torch.tensor(self.tokens[self.fed : self.fed + n], device=self.device)
-        return chain_part(ids, self.cache, n - 1, decode, start=self.fed)
+        every_row = self.prompt_logprobs is not None  # echo: each prompt token's logprob, from the row before it
+        return chain_part(ids, self.cache, 0 if every_row else n - 1, decode, start=self.fed)
 
     def prefilled(self, n: int, logits: torch.Tensor, hidden: torch.Tensor) -> Step | None:
         """`n` prompt tokens went in (logits [1, vocab] of the last, hidden [n, d]); -> the first token's Step once
         the whole prompt is in, else None."""
+        if self.prompt_logprobs is not None:
+            known = min(n, self.stats.prompt_tokens - self.fed - 1)  # rows that predict a prompt token
+            following = torch.tensor(self.tokens[self.fed + 1 : self.fed + 1 + known])
+            self.prompt_logprobs += token_logprobs(logits[:known], following, self.params.prompt_logprobs)
         self.fed += n
         self.cache.truncate(self.fed)  # the sampled first token becomes the root of the first decode step
         if self.keep_hidden:
             self._hold(hidden)
         if self.prefilling:
             return None
-        probs = to_probs(logits[-1], self.params)
-        token = int(probs.argmax()) if self.params.greedy else int(sample(probs, self.generator))
         if not self.keep_hidden:
             self.hidden = hidden[-1:]
+        return self._first_token(logits[-1:])
+
+    def adopt_prefill(self, leader: Sequence, last_logits: torch.Tensor) -> Step:
+        """n > 1: take `leader`'s prefilled prompt (its cache, features, prompt logprobs) instead of computing it
+        again, and sample this request's own first token from the prompt's last logits [1, vocab]."""
+        fed = leader.fed
+        self.cache.k[:, :, :, :fed] = leader.cache.k[:, :, :, :fed]
+        self.cache.v[:, :, :, :fed] = leader.cache.v[:, :, :, :fed]
+        self.fed, self.leader = fed, None
+        self.cache.truncate(fed)
+        self.hidden = None if leader.hidden is None else leader.hidden.clone()
+        if leader.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs = list(leader.prompt_logprobs)
+        return self._first_token(last_logits)
+
+    def _first_token(self, logits: torch.Tensor) -> Step:
+        """The prompt is in: sample the first token from its last row's logits [1, vocab]."""
+        shaped = self.rules.shape(logits)
+        probs = to_probs(shaped[-1], self.params)
+        token = int(probs.argmax()) if self.params.greedy else int(sample(probs, self.generator))
         self._show_target(torch.tensor(self.tokens[-1:]), logits[-1:])
         stats = self.stats
         stats.ttft_s = time.perf_counter() - self.started
-        step = self._finish([token], 0, 0)
+        step = self._finish([token], 0, 0, logits[-1:])
         stats.new_tokens = len(step.tokens)
         stats.wall_s = stats.ttft_s
         return step
@@ -117,16 +151,26 @@ class Sequence:
         # than the tokens still to generate would be cut after verification.
         budget = min(MAX_AUTO_NODES if self.auto else self.num_draft_tokens, self.max_len - len(self.tokens) - 1)
         depth_room = self.params.max_new_tokens - self.stats.new_tokens - 1
-        ctx = DraftContext(self.tokens, self.params, self.generator, self.hidden, plan, depth_room)
+        ctx = DraftContext(self.tokens, self.params, self.generator, self.hidden, plan, depth_room,
+                           self.rules if self.rules.active else None)
         self.proposed = budget > 0 and depth_room > 0
+        forced = self.rules.forced(min(budget, depth_room)) if self.proposed else []
+        self.free_draft = bool(forced)
+        if forced:  # the grammar allows one continuation: a draft the drafter need not be asked for
+            self.proposed = False
+            self.draft = Draft.chain(torch.tensor(forced, device=self.device), scores=[1.0] * len(forced))
         if self.proposed and self.keep_hidden:
             self.hidden = None  # the drafter takes these rows now
         return budget, ctx
 
     def proposed_draft(self, draft: Draft) -> Draft:
-        """The drafter's answer to draft_request -> this step's draft."""
+        """The drafter's answer to draft_request (or, when it was not asked, an empty one) -> this step's draft."""
+        if self.free_draft:
+            draft = self.draft
         draft.check()
-        self.draft = draft.within_depth(self.params.max_new_tokens - self.stats.new_tokens - 1)
+        draft = draft.within_depth(self.params.max_new_tokens - self.stats.new_tokens - 1)
+        legal = self.rules.cut(draft.tokens, draft.parents)
+        self.draft = draft if legal is None or len(legal) == len(draft) else draft.select(legal)
         self.draft_seconds = time.perf_counter() - self.step_started
         return self.draft
 
@@ -134,6 +178,7 @@ class Sequence:
         """Decode this step without a draft (speculation does not pay now); the drafter catches up next time."""
         self.step_started = time.perf_counter()
         self.draft, self.proposed, self.draft_seconds = Draft.empty(self.device), False, 0.0
+        self.free_draft = False
 
     def keep_best(self, count: int) -> None:
         self.draft = self.draft.best(count)
@@ -154,10 +199,12 @@ class Sequence:
         """The target's logits [n + 1, vocab] and hidden states [n + 1, d] over verify_part's rows -> the Step."""
         draft, device, params = self.draft, self.device, self.params
         start = self.cache.length
-        if draft.is_chain:
-            verdict = verify_chain(logits, draft.tokens.to(device), draft.probs, params, self.generator)
+        chain = draft.is_chain
+        shaped = self.rules.shape(logits, draft.tokens, None if chain else draft.parents)
+        if chain:
+            verdict = verify_chain(shaped, draft.tokens.to(device), draft.probs, params, self.generator)
         else:
-            verdict = verify_tree(logits, draft.tokens.to(device), draft.parents.tolist(), draft.probs, params,
+            verdict = verify_tree(shaped, draft.tokens.to(device), draft.parents.tolist(), draft.probs, params,
                                   self.generator)
         accepted = verdict.accepted_nodes
         # Valid now: the root and the accepted nodes. The emitted last token is fed next step.
@@ -176,8 +223,9 @@ class Sequence:
             self.drafter.commit(draft.as_proposed(accepted), draft.origin)
             if self.prediction is not None:
                 self.stats.accepted_prediction_tokens = self.prediction.accepted
-        step = self._finish(verdict.emitted.tolist(), len(draft), len(accepted))
-        step.drafter = self.drafter.proposer if len(draft) else None
+        rows = [0] + [node + 1 for node in accepted]  # the row each emitted token was sampled from
+        step = self._finish(verdict.emitted.tolist(), len(draft), len(accepted), logits[rows])
+        step.drafter = ("grammar" if self.free_draft else self.drafter.proposer) if len(draft) else None
         now = time.perf_counter()
         self.stats.record_step(len(draft), len(accepted), len(step.tokens), now - self.step_started,
                                depth=int(self._depths.max()) if len(draft) else 0,
@@ -203,8 +251,9 @@ class Sequence:
     def _hold(self, rows: torch.Tensor) -> None:
         self.hidden = rows if self.hidden is None else torch.cat((self.hidden, rows))
 
-    def _finish(self, emitted: list[int], num_drafted: int, num_accepted: int) -> Step:
-        """Cut `emitted` at EOS or the token budget, append it to `tokens`, and say why generation ends."""
+    def _finish(self, emitted: list[int], num_drafted: int, num_accepted: int, logits: torch.Tensor) -> Step:
+        """Cut `emitted` at EOS or the token budget, append it to `tokens`, and say why generation ends.
+        `logits`: the target's raw rows each emitted token was sampled from (for logprobs)."""
         reason = None
         for i, token in enumerate(emitted):
             if token in self.eos:
@@ -214,7 +263,26 @@ class Sequence:
         if room <= 0:
             emitted, reason = emitted[: len(emitted) + room], reason or "length"
         self.tokens.extend(emitted)
+        self.rules.emitted(emitted)
         if reason is None and len(self.tokens) >= self.max_len:
             reason = "length"
         self.finish_reason = reason
-        return Step(emitted, num_drafted, min(num_accepted, len(emitted)), reason)
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = token_logprobs(logits[: len(emitted)], torch.tensor(emitted), self.params.logprobs)
+        return Step(emitted, num_drafted, min(num_accepted, len(emitted)), reason, logprobs=logprobs)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under its row of raw target logits [t, vocab] (log-softmax: before
+    temperature, penalties and grammar, as OpenAI and vLLM report them), with the row's `top` likeliest tokens.
+    Each row alone: a row's numbers do not depend on how many rows a forward verified with it."""
+    out = []
+    for row, token in zip(logits.float(), tokens.tolist()):
+        logp = row.log_softmax(-1)
+        alternatives = []
+        if top:
+            values, ids = logp.topk(top)
+            alternatives = list(zip(ids.tolist(), values.tolist()))
+        out.append((float(logp[token]), alternatives))
+    return out

@@ -21,6 +21,7 @@ node i was drawn from (see verify.py for siblings). `scores[i]` is the drafter's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 from collections.abc import Generator
 
 import torch
@@ -114,6 +115,9 @@ class DraftContext:
     hidden: torch.Tensor | None = None
     plan: StepPlan = FIXED  # what this draft may cost: ask it whether to grow, whether to copy
     max_depth: int = 1 << 30  # deeper nodes could not be emitted (the request's token budget is nearly spent)
+    # The request's penalties and grammar (rules.OutputRules), None when it has none: a drafter that scores tokens
+    # applies them along each node's path, so its guesses follow the same rules the target's are checked under.
+    rules: Any = None
 
 
 class Drafter:

@@ -99,6 +99,8 @@ class GrowsTrees(Drafter):
                   dists: list[torch.Tensor], ctx: DraftContext) -> list[int]:
         """Add the `width` children of each row's node (rows of logits [R, vocab]); -> the new node indices."""
         logits, ids = self._draft_space(logits)  # a subset head stays in its own space: 5x fewer logits
+        if ctx.rules is not None:
+            logits = self._shaped(logits, ids, rows, nodes, ctx.rules)
         greedy = ctx.params.greedy
         if greedy and self.width == 1:  # a chain: the argmax and its probability, without the whole softmax
             top_index, top_probs = greedy_top1(logits)  # [R, 1] each
@@ -139,6 +141,17 @@ class GrowsTrees(Drafter):
                 drawn_mass += p
                 drawn_index.add(index)
         return new
+
+    def _shaped(self, logits: torch.Tensor, ids: torch.Tensor | None, rows: list[int], nodes: list[Node],
+                rules) -> torch.Tensor:
+        """The request's penalties and grammar on draft logits [R, size] whose rows follow `rows`' nodes, in the
+        whole vocabulary (a subset head's logits are placed there and read back)."""
+        full = logits
+        if ids is not None:
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            full[:, ids] = logits
+        shaped = rules.shape(full, [n.token for n in nodes], [n.parent for n in nodes], rows)
+        return shaped if ids is None else shaped[:, ids]
 
     def _grow_tree(self, logits: torch.Tensor, ctx: DraftContext, max_tokens: int, started: float,
                    feed: Callable[[list[int], list[Node]], Request]) -> Generator[Request, torch.Tensor, Draft]:

@@ -1,0 +1,202 @@
+"""Structured output under speculation: grammar masks walk the draft tree exactly, drafts are cut where the
+grammar rejects them, forced tokens are free drafts, and the output is exactly constrained plain decoding's."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
+from specdecode.engine import Engine
+from specdecode.errors import SpecdecodeError
+from specdecode.planner import Planner
+from specdecode.rules import OutputRules
+from specdecode.rules.grammar import GrammarCompiler, allowed_tokens
+from specdecode.sampling import to_probs
+from test_cross_tokenizer import byte_level
+from tiny import tiny_native
+from toy import BigramModel, assert_exact_distribution, random_chain
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}}}
+
+
+@pytest.fixture(autouse=True)
+def costs_as_given(monkeypatch):
+    monkeypatch.setattr(Planner, "observe", lambda self, rows, seconds: None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_level(300)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
+
+def run(engine, prompt, params):
+    return [t for step in engine.generate(prompt, params) for t in step.tokens]
+
+
+def fresh_mask(constraint, path: list[int], vocab: int) -> torch.Tensor:
+    """What a matcher fed `path` from scratch allows next."""
+    state = constraint.matcher()
+    state.advance(path)
+    logits = torch.zeros(1, vocab)
+    state.mask(logits, [], [], [-1])
+    return logits[0] > float("-inf")
+
+
+def test_masks_of_a_draft_tree_are_each_paths_own(tokenizer, compiler):
+    vocab = len(tokenizer)
+    constraint = compiler.json_schema(SCHEMA)
+    text = tokenizer.encode('{"name": "ab", "ok": true}', add_special_tokens=False)
+    wrong = tokenizer.encode("x", add_special_tokens=False)[0]
+    params = SamplingParams(grammar=constraint)
+    rules = OutputRules(params, [1, 2], (tokenizer.eos_token_id,))
+    rules.emitted(text[:2])
+    # a tree under the output so far: the true next tokens as a chain, a wrong sibling at depth 1, a wrong child
+    tokens = [text[2], wrong, text[3], text[4], wrong]
+    parents = [-1, -1, 0, 2, 2]
+    kept = rules.cut(torch.tensor(tokens), torch.tensor(parents))
+    assert kept == [0, 2, 3]  # the wrong nodes go; nothing under a dropped node stays
+    before = fresh_mask(constraint, text[:2], vocab)
+    kept_tokens, kept_parents = [tokens[i] for i in kept], [-1, 0, 1]
+    shaped = rules.shape(torch.zeros(4, vocab), torch.tensor(kept_tokens), torch.tensor(kept_parents))
+    paths = [text[:2], text[:3], text[:4], text[:5]]
+    for row, path in enumerate(paths):
+        assert torch.equal(shaped[row] > float("-inf"), fresh_mask(constraint, path, vocab)), row
+    after = rules.shape(torch.zeros(1, vocab))[0] > float("-inf")
+    assert torch.equal(before, after)  # the walk left the request's state where it was
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_constrained_output_is_plain_constrained_decodings_for_every_drafter(tokenizer, compiler, temperature):
+    vocab = len(tokenizer)
+    target = tiny_native("qwen2", seed=0, vocab_size=vocab)
+    prompt = tokenizer.encode("Give JSON:", add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=7, grammar=compiler.json_schema(SCHEMA))
+    reference = run(Engine(target, NoDrafter()), prompt, params)
+    text = tokenizer.decode(reference, skip_special_tokens=True)
+    assert text.startswith("{")
+    drafters = {
+        "draft-model": DraftModelDrafter(tiny_native("qwen2", seed=1, vocab_size=vocab), vocab_size=vocab),
+        "draft-model-tree": DraftModelDrafter(tiny_native("qwen2", seed=1, vocab_size=vocab), vocab_size=vocab,
+                                              width=3),
+        "self-draft": DraftModelDrafter(target, vocab_size=vocab),
+        "ngram-tree": NgramDrafter(branches=3),
+        "hybrid": HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1, vocab_size=vocab), vocab_size=vocab)),
+    }
+    for name, drafter in drafters.items():
+        engine = Engine(target, drafter, num_draft_tokens=4)
+        out = run(engine, prompt, params)
+        if temperature == 0:
+            assert out == reference, name
+        else:  # a sampled run draws its random numbers differently: its distribution is tested on a toy below
+            assert params.grammar.matcher().matcher.validate_tokens(out) == len(out), name
+        if name == "self-draft":  # its drafts follow the same mask: the target accepts all of them (greedy)
+            assert engine.last.stats.drafted_tokens > 0
+            assert temperature > 0 or engine.last.stats.acceptance_rate == 1.0
+
+
+def test_forced_tokens_are_free_drafts(tokenizer, compiler):
+    vocab = len(tokenizer)
+    target = tiny_native("qwen2", seed=0, vocab_size=vocab)
+    schema = {"type": "object", "required": ["status"], "additionalProperties": False,
+              "properties": {"status": {"const": "all good and done"}},
+              "x-guidance": {"whitespace_flexible": False}}  # no blank space: everything after "{" is forced
+    params = SamplingParams(max_new_tokens=40, grammar=compiler.json_schema(schema))
+    prompt = tokenizer.encode("JSON:", add_special_tokens=False)
+    reference = run(Engine(target, NoDrafter()), prompt, params)
+    engine = Engine(target, NoDrafter(), num_draft_tokens=4)
+    assert run(engine, prompt, params) == reference
+    assert json.loads(tokenizer.decode(reference, skip_special_tokens=True)) == {"status": "all good and done"}
+    drafted, accepted = engine.last.stats.by_drafter["grammar"]
+    assert accepted == drafted > 5  # the grammar's forced tokens, every one accepted
+
+
+class NoRepeatGrammar:
+    """A toy grammar: a token may not follow itself, and token 3 (EOS) is allowed only after token 0."""
+
+    def matcher(self):
+        return NoRepeatState()
+
+
+class NoRepeatState:
+    def __init__(self) -> None:
+        self.last = -1
+
+    @staticmethod
+    def allows(last: int, token: int) -> bool:
+        return token != last and (token != 3 or last == 0)
+
+    def path_end(self, tokens, parents, node):
+        return self.last if node < 0 else tokens[node]
+
+    def legal_nodes(self, tokens, parents):
+        legal = []
+        for node, (token, parent) in enumerate(zip(tokens, parents)):
+            if (parent < 0 or parent in legal) and self.allows(self.path_end(tokens, parents, parent), token):
+                legal.append(node)
+        return legal
+
+    def mask(self, logits, tokens, parents, rows):
+        for row, node in enumerate(rows):
+            last = self.path_end(tokens, parents, node)
+            for token in range(logits.shape[1]):
+                if not self.allows(last, token):
+                    logits[row, token] = float("-inf")
+
+    def forced(self, limit):
+        return [0] if self.last == 2 else []  # not truly forced: a draft all the same, verified like any other
+
+    def advance(self, tokens):
+        if tokens:
+            self.last = tokens[-1]
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_sampling_under_a_grammar_keeps_the_masked_targets_distribution(width):
+    vocab, eos, length, trials = 4, 3, 3, 6000
+    target_chain, draft_chain = random_chain(vocab, 10), random_chain(vocab, 11, sharpness=2.0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=length, grammar=NoRepeatGrammar(), presence_penalty=0.5)
+    exact: dict[tuple, float] = {}
+    for seq in itertools.product(range(vocab), repeat=length):
+        if eos in seq:
+            seq = seq[: seq.index(eos) + 1]
+        prob, prev = 1.0, 1
+        for i, token in enumerate(seq):
+            logits = target_chain[prev].log().clone()
+            for t in set(seq[:i]):
+                logits[t] -= 0.5
+            for t in range(vocab):
+                if not NoRepeatState.allows(-1 if i == 0 else seq[i - 1], t):
+                    logits[t] = float("-inf")
+            prob *= float(to_probs(logits, params)[token])
+            prev = token
+        exact[seq] = prob
+    drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=width)
+    engine = Engine(BigramModel(target_chain, eos=(eos,)), drafter, num_draft_tokens=3)
+    counts: dict[tuple, int] = {}
+    for i in range(trials):
+        out = tuple(run(engine, [0, 1], SamplingParams(**{**params.__dict__, "seed": i})))
+        counts[out] = counts.get(out, 0) + 1
+    assert_exact_distribution(counts, {s: p for s, p in exact.items() if p > 0})
+
+
+def test_unsupported_schemas_are_one_clear_error(compiler):
+    with pytest.raises(SpecdecodeError, match="not supported: Invalid type"):
+        compiler.json_schema({"type": "nope"})
+    with pytest.raises(SpecdecodeError, match="not supported"):
+        compiler.json_schema({"type": "string", "minLength": 5, "maxLength": 2})
+
+
+def test_bitmask_bits_are_token_ids():
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 0] = 1 | (1 << 5)
+    bitmask[0, 1] = 1 << 1
+    assert allowed_tokens(bitmask, 40)[0].nonzero().flatten().tolist() == [0, 5, 33]
