@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import sys
 
 from specdecode.advise.cli import add_parser as add_advise_parser
@@ -29,18 +30,39 @@ def read_prediction(path: str | None) -> str | None:
         raise SpecdecodeError(f"--prediction {path}: cannot read it as UTF-8 text ({e})") from None
 
 
+def read_schema(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        return json.loads(sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read())
+    except (OSError, ValueError) as e:
+        raise SpecdecodeError(f"--json-schema {path}: cannot read it as a JSON schema ({e})") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validate before the slow model load
     prediction = read_prediction(args.prediction)
+    schema = read_schema(args.json_schema)
+    if args.n < 1:
+        raise SpecdecodeError(f"--n must be >= 1, got {args.n}")
     decoder = load_decoder(args)
+    if schema is not None or args.json_object:
+        fmt = {"type": "json_schema", "json_schema": {"schema": schema}} if schema else {"type": "json_object"}
+        params = replace(params, grammar=decoder.response_format(fmt))
     if prediction is not None and len(decoder.encode_prediction(prediction)) > params.max_new_tokens:
         print(f"specdecode: the prediction is longer than --max-new-tokens {params.max_new_tokens}: the answer "
               "stops there, before the prediction's end", file=sys.stderr)
-    if args.json:
-        result = decoder.generate(args.prompt, params, chat=args.chat, prediction=prediction)
-        out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-               "method": args.method, "stats": result.stats.to_dict()}
-        print(json.dumps(out))
+    if args.json or args.n > 1:
+        results = ([decoder.generate(args.prompt, params, chat=args.chat, prediction=prediction)] if args.n == 1
+                   else decoder.generate_n(args.prompt, params, args.n, chat=args.chat))
+        choices = [{"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                    "method": args.method, "stats": r.stats.to_dict(),
+                    **({"logprobs": r.logprobs} if r.logprobs is not None else {})} for r in results]
+        if args.json:
+            print(json.dumps(choices[0] if args.n == 1 else {"choices": choices}))
+        else:
+            for i, choice in enumerate(choices):
+                print(f"--- choice {i} ({choice['finish_reason']})\n{choice['text']}")
         return 0
     color = sys.stdout.isatty()
     for chunk in decoder.stream(args.prompt, params, chat=args.chat, prediction=prediction):
@@ -84,7 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object with text, token_ids and stats (and logprobs with --logprobs)")
+    gen.add_argument("--n", type=int, default=1, help="independent answers to the prompt (one prefill for all)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="with --json: each token's log-probability and its K likeliest alternatives")
+    gen.add_argument("--json-schema", metavar="FILE", default=None,
+                     help="answer with JSON valid under this JSON schema (a file, or - for stdin)")
+    gen.add_argument("--json-object", action="store_true", help="answer with one JSON object")
     gen.add_argument("--prediction", metavar="FILE", default=None,
                      help="a file holding the text you expect the answer to be, mostly (Predicted Outputs: the file "
                           "you ask to edit); copied as drafts where the answer follows it, same answer either way")

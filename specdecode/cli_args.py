@@ -8,6 +8,7 @@ import argparse
 
 from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdecode.config import SamplingParams
+from specdecode.errors import SpecdecodeError
 from specdecode.methods import DEFAULT_METHOD, METHODS, SHAPES
 from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB
 from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
@@ -66,6 +67,25 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from tokens already in the output")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per time a token is in the output")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides the logits of tokens seen in the prompt or output (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest one")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end of text before this many new tokens")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to token ID's logit (repeatable)")
+
+
+def logit_bias(items: list[str]) -> dict[int, float]:
+    out = {}
+    for item in items:
+        token, _, bias = item.partition("=")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise SpecdecodeError(f"--logit-bias {item}: write it as TOKEN_ID=BIAS, e.g. 13=-100") from None
+    return out
 
 
 def decoder_kwargs(args: argparse.Namespace) -> dict:
@@ -85,4 +105,7 @@ def load_decoder(args: argparse.Namespace):
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          max_new_tokens=args.max_new_tokens, stop=list(getattr(args, "stop", None) or []))
+                          max_new_tokens=args.max_new_tokens, stop=list(getattr(args, "stop", None) or []),
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty, min_p=args.min_p, min_tokens=args.min_tokens,
+                          logit_bias=logit_bias(args.logit_bias), logprobs=getattr(args, "logprobs", None))

@@ -154,7 +154,9 @@ class Sequence:
         ctx = DraftContext(self.tokens, self.params, self.generator, self.hidden, plan, depth_room,
                            self.rules if self.rules.active else None)
         self.proposed = budget > 0 and depth_room > 0
-        forced = self.rules.forced(min(budget, depth_room)) if self.proposed else []
+        # The grammar's forced tokens cost nothing to draft: even a request that drafts nothing else takes them.
+        room = min(MAX_AUTO_NODES, self.max_len - len(self.tokens) - 1, depth_room)
+        forced = self.rules.forced(room) if room > 0 else []
         self.free_draft = bool(forced)
         if forced:  # the grammar allows one continuation: a draft the drafter need not be asked for
             self.proposed = False

@@ -75,3 +75,15 @@ def test_generating_on_another_thread_than_the_models_were_loaded_on_warns_once(
     thread.start()
     thread.join()
     assert len(caught) == 1 and "thread" in str(caught[0].message)
+
+
+def test_n_answers_are_each_what_generate_gives_with_its_seed():
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, seed=5, logprobs=2, stop=["9"])
+    drafter = ScriptedDrafter(lambda toks, k: [1] * k)  # a sampled run's numbers depend on its drafts: the same
+    alone = [decoder(drafter).generate("123", SamplingParams(**{**params.__dict__, "seed": 5 + i})) for i in range(3)]
+    many = decoder(drafter).generate_n("123", params, 3)
+    assert [(g.text, g.token_ids, g.finish_reason) for g in many] == [(g.text, g.token_ids, g.finish_reason)
+                                                                       for g in alone]
+    assert all(len(g.logprobs) == len(g.token_ids) for g in many)  # cut with the text at a stop string
+    with pytest.raises(SpecdecodeError, match="n must be"):
+        decoder(NoDrafter()).generate_n("123", params, 0)

@@ -1,7 +1,6 @@
 """Structured output under speculation: grammar masks walk the draft tree exactly, drafts are cut where the
 grammar rejects them, forced tokens are free drafts, and the output is exactly constrained plain decoding's."""
 
-import itertools
 import json
 
 import pytest
@@ -13,11 +12,11 @@ from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.planner import Planner
 from specdecode.rules import OutputRules
-from specdecode.rules.grammar import GrammarCompiler, allowed_tokens
+from specdecode.rules.grammar import GrammarCompiler
 from specdecode.sampling import to_probs
 from test_cross_tokenizer import byte_level
 from tiny import tiny_native
-from toy import BigramModel, assert_exact_distribution, random_chain
+from toy import BigramModel, assert_exact_distribution, exact_rule_probs, random_chain, sampled_outputs
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}}}
@@ -88,6 +87,7 @@ def test_constrained_output_is_plain_constrained_decodings_for_every_drafter(tok
         "draft-model-tree": DraftModelDrafter(tiny_native("qwen2", seed=1, vocab_size=vocab), vocab_size=vocab,
                                               width=3),
         "self-draft": DraftModelDrafter(target, vocab_size=vocab),
+        "subset-head": subset_head(vocab),
         "ngram-tree": NgramDrafter(branches=3),
         "hybrid": HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1, vocab_size=vocab), vocab_size=vocab)),
     }
@@ -117,6 +117,16 @@ def test_forced_tokens_are_free_drafts(tokenizer, compiler):
     assert json.loads(tokenizer.decode(reference, skip_special_tokens=True)) == {"status": "all good and done"}
     drafted, accepted = engine.last.stats.by_drafter["grammar"]
     assert accepted == drafted > 5  # the grammar's forced tokens, every one accepted
+
+
+def subset_head(vocab: int) -> DraftModelDrafter:
+    """A draft whose LM head scores every third token only: rows where the grammar allows none of them get no
+    children (their argmax would be a token the grammar rejects)."""
+    from specdecode.vocab_subset import restrict_lm_head
+
+    model = tiny_native("qwen2", seed=1, vocab_size=vocab)
+    return DraftModelDrafter(model, vocab_size=vocab, width=2,
+                             head_tokens=restrict_lm_head(model, torch.arange(0, vocab, 3)))
 
 
 class NoRepeatGrammar:
@@ -164,27 +174,20 @@ def test_sampling_under_a_grammar_keeps_the_masked_targets_distribution(width):
     vocab, eos, length, trials = 4, 3, 3, 6000
     target_chain, draft_chain = random_chain(vocab, 10), random_chain(vocab, 11, sharpness=2.0)
     params = SamplingParams(temperature=1.0, max_new_tokens=length, grammar=NoRepeatGrammar(), presence_penalty=0.5)
-    exact: dict[tuple, float] = {}
-    for seq in itertools.product(range(vocab), repeat=length):
-        if eos in seq:
-            seq = seq[: seq.index(eos) + 1]
-        prob, prev = 1.0, 1
-        for i, token in enumerate(seq):
-            logits = target_chain[prev].log().clone()
-            for t in set(seq[:i]):
-                logits[t] -= 0.5
-            for t in range(vocab):
-                if not NoRepeatState.allows(-1 if i == 0 else seq[i - 1], t):
-                    logits[t] = float("-inf")
-            prob *= float(to_probs(logits, params)[token])
-            prev = token
-        exact[seq] = prob
+
+    def next_probs(prev: int, output: list[int]) -> torch.Tensor:
+        logits = target_chain[prev].log().clone()
+        for t in set(output):
+            logits[t] -= 0.5
+        for t in range(vocab):
+            if not NoRepeatState.allows(output[-1] if output else -1, t):
+                logits[t] = float("-inf")
+        return to_probs(logits, params)
+
+    exact = exact_rule_probs(vocab, length, eos, 1, next_probs)
     drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=width)
     engine = Engine(BigramModel(target_chain, eos=(eos,)), drafter, num_draft_tokens=3)
-    counts: dict[tuple, int] = {}
-    for i in range(trials):
-        out = tuple(run(engine, [0, 1], SamplingParams(**{**params.__dict__, "seed": i})))
-        counts[out] = counts.get(out, 0) + 1
+    counts = sampled_outputs(engine, [0, 1], params, trials)
     assert_exact_distribution(counts, {s: p for s, p in exact.items() if p > 0})
 
 
@@ -195,8 +198,20 @@ def test_unsupported_schemas_are_one_clear_error(compiler):
         compiler.json_schema({"type": "string", "minLength": 5, "maxLength": 2})
 
 
-def test_bitmask_bits_are_token_ids():
-    bitmask = torch.zeros(1, 2, dtype=torch.int32)
-    bitmask[0, 0] = 1 | (1 << 5)
-    bitmask[0, 1] = 1 << 1
-    assert allowed_tokens(bitmask, 40)[0].nonzero().flatten().tolist() == [0, 5, 33]
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("vocab", [64, 100, 1000])
+def test_a_bitmask_keeps_exactly_its_tokens(monkeypatch, native, vocab):
+    """Bit j of word w allows token 32 w + j, on the native kernel and off it, a vocabulary of whole words or not."""
+    from specdecode.rules import grammar
+
+    if not native:
+        monkeypatch.setattr(grammar, "cpu_kernels", lambda: None)
+    g = torch.Generator().manual_seed(vocab)
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), generator=g, dtype=torch.int32)
+    bits[1] = -1  # every token allowed
+    logits = torch.randn(3, vocab, generator=g)
+    out = logits.clone()
+    grammar.apply_bitmask(out, bits)
+    allowed = torch.tensor([[bool((int(bits[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(3)])
+    assert torch.equal(out, logits.masked_fill(~allowed, float("-inf")))

@@ -1,6 +1,5 @@
 """Penalties, biases, min_tokens, min_p, logprobs and n > 1 under speculation: exactly what plain decoding does."""
 
-import itertools
 import math
 
 import pytest
@@ -14,7 +13,8 @@ from specdecode.errors import SpecdecodeError
 from specdecode.planner import Planner
 from specdecode.sampling import to_probs
 from tiny import tiny_native
-from toy import BigramModel, ScriptedDrafter, ScriptedTreeDrafter, assert_exact_distribution, random_chain
+from toy import (BigramModel, ScriptedDrafter, ScriptedTreeDrafter, assert_exact_distribution, exact_rule_probs,
+                 random_chain, sampled_outputs)
 
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
 RULES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={5: 3.0, 7: -2.0},
@@ -103,22 +103,11 @@ def test_sampling_with_penalties_keeps_the_penalised_targets_distribution(width)
     params = SamplingParams(temperature=0.9, max_new_tokens=length, presence_penalty=0.8, frequency_penalty=0.5,
                             repetition_penalty=1.5, logit_bias={1: 0.7}, min_tokens=2, min_p=0.05)
     prompt = [0, 2]
-    exact: dict[tuple, float] = {}
-    for seq in itertools.product(range(vocab), repeat=length):
-        if eos in seq:
-            seq = seq[: seq.index(eos) + 1]
-        prob, prev = 1.0, prompt[-1]
-        for i, token in enumerate(seq):
-            shaped = naive_penalised(target_chain[prev].log(), prompt, list(seq[:i]), params, eos)
-            prob *= float(to_probs(shaped, params)[token])
-            prev = token
-        exact[seq] = prob
+    exact = exact_rule_probs(vocab, length, eos, prompt[-1], lambda prev, output: to_probs(
+        naive_penalised(target_chain[prev].log(), prompt, output, params, eos), params))
     drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=width)
     engine = Engine(BigramModel(target_chain, eos=(eos,)), drafter, num_draft_tokens=3)
-    counts: dict[tuple, int] = {}
-    for i in range(trials):
-        out = tuple(run(engine, prompt, SamplingParams(**{**params.__dict__, "seed": i})))
-        counts[out] = counts.get(out, 0) + 1
+    counts = sampled_outputs(engine, prompt, params, trials)
     assert engine.last.stats.drafted_tokens > 0
     assert_exact_distribution(counts, exact)
 

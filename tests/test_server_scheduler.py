@@ -40,6 +40,7 @@ class ScriptedSeq:
     def __init__(self, prompt: list[int], k: int | None, steps: int) -> None:
         self.prompt, self.k, self.steps_left = prompt, k, steps
         self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.prompt_logprobs = None
 
 
 class ScriptedEngine:
@@ -62,17 +63,17 @@ class ScriptedEngine:
     def set_limits(self, max_running: int, kv_budget_tokens: int | None = None) -> None:
         pass  # the test's own max_running stands
 
-    def check(self, prompt, params, k=None, prediction=None) -> None:
+    def check(self, prompt, params, k=None, prediction=None, n=1) -> None:
         if len(prompt) > 20:
             raise SpecdecodeError(f"the request needs {len(prompt) + 10} KV cache slots but the server's KV budget "
                                   "is 30")
 
-    def can_admit(self, prompt_len: int, params) -> bool:
+    def can_admit(self, prompt_len: int, params, count: int = 1) -> bool:
         if prompt_len == 7:
             raise RuntimeError("planted bug outside any request (the scheduler's own code)")
         return len(self.running) < self.max_running
 
-    def add(self, prompt, params, k=None, prediction=None) -> ScriptedSeq:
+    def add(self, prompt, params, k=None, prediction=None, leader=None) -> ScriptedSeq:
         if prompt == [98]:
             raise RuntimeError("planted admission crash (a cache that cannot be allocated)")
         seq = ScriptedSeq(prompt, k, self.steps_for.get(prompt[0], self.steps))

@@ -31,7 +31,7 @@ def test_accepts_openai_fields_neutral_values_and_extensions():
 
 
 @pytest.mark.parametrize("raw, words", [
-    ('{"model": "m", ' + MSG + ', "logit_bias": {"1": 5}, "n": 3}', "n=3, logit_bias="),
+    ('{"model": "m", ' + MSG + ', "best_of": 3, "store": true}', "best_of=3, store=true"),
     ('{"model": "m", ' + MSG + ', "seed": "7"}', "seed: Input should be a valid integer"),
     ('{"model": "m", ' + MSG + ', "top_p": 0}', "top_p"),
     ('{"model": "m", ' + MSG + ', "stream_options": {"continuous": true}}', "stream_options.continuous"),

@@ -140,3 +140,27 @@ DRAFTER_PROMPTS = [[1, 2, 3, 4, 1, 2, 3], list(range(5, 30)), [7, 7, 7, 7], [3, 
 def tokens_of(engine, prompt: list[int], params) -> list[int]:
     """Every token an engine generates for one prompt."""
     return [t for step in engine.generate(prompt, params) for t in step.tokens]
+
+
+def exact_rule_probs(vocab: int, length: int, eos: int, start: int, next_probs) -> dict[tuple, float]:
+    """Probability of every output (cut after EOS or at `length` tokens) when the next token after `prev`, with
+    `output` emitted so far, is drawn from next_probs(prev, output) -> [vocab] (a penalised or masked chain)."""
+    out: dict[tuple, float] = {}
+    for seq in itertools.product(range(vocab), repeat=length):
+        if eos in seq:
+            seq = seq[: seq.index(eos) + 1]
+        prob, prev = 1.0, start
+        for i, token in enumerate(seq):
+            prob *= float(next_probs(prev, list(seq[:i]))[token])
+            prev = token
+        out[seq] = prob
+    return out
+
+
+def sampled_outputs(engine, prompt: list[int], params, trials: int) -> dict[tuple, int]:
+    """How often each output comes out of `trials` runs with seeds 0, 1, ..."""
+    counts: dict[tuple, int] = {}
+    for seed in range(trials):
+        out = tuple(tokens_of(engine, prompt, type(params)(**{**params.__dict__, "seed": seed})))
+        counts[out] = counts.get(out, 0) + 1
+    return counts

@@ -99,8 +99,12 @@ class GrowsTrees(Drafter):
                   dists: list[torch.Tensor], ctx: DraftContext) -> list[int]:
         """Add the `width` children of each row's node (rows of logits [R, vocab]); -> the new node indices."""
         logits, ids = self._draft_space(logits)  # a subset head stays in its own space: 5x fewer logits
+        alive = None
         if ctx.rules is not None:
             logits = self._shaped(logits, ids, rows, nodes, ctx.rules)
+            # A row whose every token the grammar rules out (a head that scores a vocabulary subset may lack the
+            # one it allows) gets no children: its argmax would be a token the grammar rejects.
+            alive = torch.isfinite(logits).any(-1).tolist()
         greedy = ctx.params.greedy
         if greedy and self.width == 1:  # a chain: the argmax and its probability, without the whole softmax
             top_index, top_probs = greedy_top1(logits)  # [R, 1] each
@@ -117,6 +121,8 @@ class GrowsTrees(Drafter):
         top_tokens = top_index if ids is None else ids[top_index]
         new = []
         for r, parent in enumerate(rows):
+            if alive is not None and not alive[r]:
+                continue
             if not greedy:
                 dists.append(probs[r])
             base = 1.0 if parent < 0 else nodes[parent].score
@@ -134,7 +140,7 @@ class GrowsTrees(Drafter):
                     # after the siblings drawn before it.
                     left = next(v for v, i in zip(likeliest.values[r].tolist(), likeliest.indices[r].tolist())
                                 if i not in drawn_index)
-                    confidence = left / max(1.0 - drawn_mass, 1e-12)
+                    confidence = min(1.0, left / max(1.0 - drawn_mass, 1e-12))  # rounding: never above its parent
                 nodes.append(Node(token, parent, depth, confidence, base * confidence, len(dists) - 1, list(drawn)))
                 new.append(len(nodes) - 1)
                 drawn.append(token)

@@ -89,3 +89,36 @@ std::vector<torch::Tensor> top1_probs(const torch::Tensor& x) {
   }
   return {index, prob};
 }
+
+// A grammar's token bitmask applied to logits in place: bit j of word w of a row set = token 32 w + j allowed, any
+// other token -inf. Torch's unpack-and-fill takes ~0.45 ms per 152k-token row; this is one pass over the row, eight
+// lanes at a time (each lane tests its own bit of the word's byte).
+void mask_disallowed(torch::Tensor& logits, const torch::Tensor& bits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+              "logits: contiguous float32 [rows, vocab]");
+  TORCH_CHECK(bits.dim() == 2 && bits.scalar_type() == torch::kInt32 && bits.is_contiguous() &&
+                  bits.size(0) == logits.size(0) && bits.size(1) * 32 >= logits.size(1),
+              "bits: contiguous int32 [rows, ceil(vocab / 32)]");
+  const int64_t M = logits.size(0), V = logits.size(1), W = bits.size(1);
+  float* xp = logits.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 none = _mm256_set1_ps(-INFINITY);
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = xp + m * V;
+    const uint32_t* words = bp + m * W;
+    const int64_t whole = V / 32;  // words whose 32 tokens are all in the row
+    for (int64_t w = 0; w < whole; ++w) {
+      const uint32_t word = words[w];
+      if (word == 0xFFFFFFFFu) continue;
+      for (int g = 0; g < 4; ++g) {
+        const __m256i byte = _mm256_set1_epi32(static_cast<int>((word >> (8 * g)) & 0xFFu));
+        const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bits), lane_bits);
+        float* at = row + 32 * w + 8 * g;
+        _mm256_storeu_ps(at, _mm256_blendv_ps(none, _mm256_loadu_ps(at), _mm256_castsi256_ps(on)));
+      }
+    }
+    for (int64_t t = 32 * whole; t < V; ++t)
+      if (!((words[t / 32] >> (t % 32)) & 1u)) row[t] = -INFINITY;
+  }
+}

@@ -5,9 +5,11 @@ has the figures): no compile step worth the name (a schema in ~1 ms, against ~20
 outlines-core, whose index of the generic JSON grammar took 21 s), next-token masks in ~70 us (median), rollback
 in ~1 us, a check of draft tokens without touching the state, forced tokens, and no dependency on torch builds.
 
-A request's `GrammarState` is the matcher after the tokens emitted so far. To verify a draft it walks the draft
-tree: for each node it rolls back to the node's parent, consumes the node's token and writes the mask of what may
-follow; then it rolls back to where it started. So each verified row is masked exactly as plain constrained
+A request's `GrammarState` is the matcher after the tokens emitted so far. To verify a draft, a copy of it walks
+the draft tree: for each node it rolls back to where the node's path parts from the last one, consumes the rest
+and writes the mask of what may follow. The request's own matcher only moves forward (consuming what was emitted):
+llguidance grows its parser state with every rollback, and a long answer verified in many trees would reach its
+complexity limit. So each verified row is masked exactly as plain constrained
 decoding would mask it after that path.
 """
 
@@ -16,10 +18,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
 import torch
 
 from specdecode.errors import SpecdecodeError
+from specdecode.kernels import cpu_kernels
 
 NO_TOKEN = float("-inf")
 # Whitespace between JSON tokens: compact, spaced and indented styles all fit, but not without end (a model that
@@ -105,14 +107,14 @@ class GrammarState:
         kept: list[int] = []
         legal = [False] * len(tokens)
         path: list[int] = []  # nodes consumed, root first
+        walker = self.matcher.deep_copy()
         for node, (token, parent) in enumerate(zip(tokens, parents)):
             if parent >= 0 and not legal[parent]:
                 continue
-            self._walk_to(path, parent, tokens, parents)
-            if self.matcher.validate_tokens([token]) == 1:
+            _walk_to(walker, path, parent, tokens, parents)
+            if walker.validate_tokens([token]) == 1:
                 legal[node] = True
                 kept.append(node)
-        self._walk_to(path, -1, tokens, parents)
         return kept
 
     def mask(self, logits: torch.Tensor, tokens: list[int], parents: list[int], rows: list[int]) -> None:
@@ -122,15 +124,15 @@ class GrammarState:
 
         bitmask = torch.zeros(len(rows), self.words, dtype=torch.int32)
         path: list[int] = []
+        walker = self.matcher.deep_copy()  # the request's own matcher only ever moves forward
         for r, node in enumerate(rows):
-            self._walk_to(path, node, tokens, parents)
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, r)
-        self._walk_to(path, -1, tokens, parents)
-        allowed = allowed_tokens(bitmask, logits.shape[-1])
-        dead = ~allowed.any(-1)
-        if bool(dead.any()):  # a grammar that allows nothing more (a dead end) can only end the output
-            allowed[dead, self.eos_ids[:1]] = True
-        logits.masked_fill_(~allowed.to(logits.device), NO_TOKEN)
+            _walk_to(walker, path, node, tokens, parents)
+            llguidance.torch.fill_next_token_bitmask(walker, bitmask, r)
+        dead = torch.from_numpy(~bitmask.numpy().any(-1))
+        if bool(dead.any()) and self.eos_ids:  # a grammar that allows nothing more (a dead end) can only end
+            eos = self.eos_ids[0]
+            bitmask[dead, eos // 32] |= _bit(eos % 32)
+        apply_bitmask(logits, bitmask)
 
     def forced(self, limit: int) -> list[int]:
         """Tokens the grammar forces next (one legal continuation, tokenized as it must be), at most `limit`."""
@@ -141,31 +143,45 @@ class GrammarState:
         for token in tokens:
             if self.matcher.is_stopped():
                 return
-            self._consume(token)
-
-    def _walk_to(self, path: list[int], node: int, tokens: list[int], parents: list[int]) -> None:
-        """Move the matcher from the end of `path` (draft nodes consumed, root first) to the end of `node`'s path
-        (-1: the root): roll back below where the two paths part, consume the rest. `path` follows."""
-        target: list[int] = []
-        while node >= 0:
-            target.append(node)
-            node = parents[node]
-        target.reverse()
-        common = 0
-        while common < min(len(path), len(target)) and path[common] == target[common]:
-            common += 1
-        if len(path) > common:
-            self.matcher.rollback(len(path) - common)
-        for step in target[common:]:
-            self._consume(tokens[step])
-        path[:] = target
-
-    def _consume(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
-            raise SpecdecodeError(f"the grammar rejected token {token}: {self.matcher.get_error()}")
+            _consume(self.matcher, token)
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, words] int32 bitmask (bit j of word w: token 32 w + j) -> [rows, vocab] bool."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
-    return torch.from_numpy(bits[:, :vocab]).bool()
+def _walk_to(matcher, path: list[int], node: int, tokens: list[int], parents: list[int]) -> None:
+    """Move `matcher` from the end of `path` (draft nodes consumed, root first) to the end of `node`'s path (-1:
+    the root): roll back below where the two paths part, consume the rest. `path` follows."""
+    target: list[int] = []
+    while node >= 0:
+        target.append(node)
+        node = parents[node]
+    target.reverse()
+    common = 0
+    while common < min(len(path), len(target)) and path[common] == target[common]:
+        common += 1
+    if len(path) > common:
+        matcher.rollback(len(path) - common)
+    for step in target[common:]:
+        _consume(matcher, tokens[step])
+    path[:] = target
+
+
+def _consume(matcher, token: int) -> None:
+    if not matcher.consume_token(token):
+        raise SpecdecodeError(f"the grammar rejected token {token}: {matcher.get_error()}")
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf for every token whose bit in the [rows, words] int32 bitmask is 0 (bit j of word w: token
+    32 w + j). The native kernel on CPU float32; else unpacked bits (llguidance's own helper compiles with
+    torch.compile, again for every new row count)."""
+    if logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous() and logits.dim() == 2:
+        if (kernels := cpu_kernels()) is not None:
+            kernels.mask_disallowed(logits, bitmask.contiguous())
+            return
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.to(logits.device)[..., None] >> shifts.to(logits.device)) & 1).flatten(-2)
+    logits.masked_fill_(allowed[..., : logits.shape[-1]] == 0, NO_TOKEN)
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int32 word (bit 31 is the sign)."""
+    return 1 << j if j < 31 else -(1 << 31)

@@ -33,6 +33,7 @@ from specdecode.server.openapi import (
 )
 from specdecode.server.openapi import install as install_openapi
 from specdecode.server.scheduler import Scheduler
+from specdecode.server.schemas import MAX_CHOICES
 from specdecode.server.service import CompletionService
 from specdecode.server.settings import ServerSettings
 
@@ -62,7 +63,8 @@ def create_app(decoder, settings: ServerSettings, compute: ComputeThread | None 
     auth = (401,) if keys else ()
     install_openapi(app, settings.model_name, bool(keys),
                     {"vocab_size": len(decoder.tokenizer), "max_len": decoder.engine.max_len,
-                     "max_draft_tokens": settings.max_draft_tokens})
+                     "max_draft_tokens": settings.max_draft_tokens,
+                     "max_choices": min(MAX_CHOICES, settings.max_running)})
     app.state.scheduler, app.state.metrics, app.state.on_fatal = scheduler, metrics, on_fatal
     if settings.replica:
         app.add_middleware(ReplicaHeader, replica=settings.replica)

@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdecode.server.answers import Answer, Finished
+
 DONE = "data: [DONE]\n\n"
 
 
@@ -29,8 +31,12 @@ class Meta:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(stats: dict[str, Any], method: str, num_draft_tokens: int | None) -> dict[str, Any]:
-    """OpenAI usage plus `speculative`; `stats` is GenerationStats.to_dict()."""
+def usage(stats: dict[str, Any] | list[dict[str, Any]], method: str, num_draft_tokens: int | None
+          ) -> dict[str, Any]:
+    """OpenAI usage plus `speculative`; `stats` is GenerationStats.to_dict(), or one per choice (n > 1: the prompt
+    counts once, the completion tokens and draft counts add up)."""
+    if isinstance(stats, list):
+        stats = merged(stats)
     prompt, completion = stats["prompt_tokens"], stats["new_tokens"]
     details = {}
     if stats.get("prediction_tokens") is not None:  # Predicted Outputs, counted as OpenAI does
@@ -60,6 +66,15 @@ def usage(stats: dict[str, Any], method: str, num_draft_tokens: int | None) -> d
     }
 
 
+def merged(choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several choices' statistics as one request's: counts add up, rates are recomputed."""
+    out = dict(choices[0])
+    for key in ("new_tokens", "drafts", "drafted_tokens", "accepted_tokens"):
+        out[key] = sum(c[key] for c in choices)
+    out["acceptance_rate"] = out["accepted_tokens"] / out["drafted_tokens"] if out["drafted_tokens"] else 0.0
+    return out
+
+
 def live_stats(stats: dict[str, Any]) -> dict[str, Any]:
     """The running figures the playground shows, sent with every stream chunk."""
     keys = ("new_tokens", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
@@ -67,23 +82,31 @@ def live_stats(stats: dict[str, Any]) -> dict[str, Any]:
     return {k: stats[k] for k in keys}
 
 
-def completion(meta: Meta, text: str, finish_reason: str | None, usage_: dict[str, Any]) -> dict[str, Any]:
-    if meta.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion(meta: Meta, answer: Answer, choices: list[Finished], usage_: dict[str, Any]) -> dict[str, Any]:
+    out = []
+    for index, done in enumerate(choices):
+        prompt = (answer.echo_ids, done.prompt_logprobs) if answer.echo is not None and done.prompt_logprobs else None
+        logprobs = answer.logprobs(done.token_ids, done.logprobs, prompt)
+        if meta.chat:
+            message, reason = answer.message(done.text, done.finish_reason)
+            out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
+        else:
+            text = (answer.echo or "") + done.text
+            out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": done.finish_reason})
     return {"id": meta.id, "object": "chat.completion" if meta.chat else "text_completion",
-            "created": meta.created, "model": meta.model, "choices": [choice], "usage": usage_}
+            "created": meta.created, "model": meta.model, "choices": out, "usage": usage_}
 
 
 def chunk(meta: Meta, text: str, finish_reason: str | None = None, role: bool = False,
-          extension: dict[str, Any] | None = None) -> dict[str, Any]:
+          extension: dict[str, Any] | None = None, index: int = 0, logprobs: dict[str, Any] | None = None,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     if meta.chat:
         delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     out = _chunk_head(meta) | {"choices": [choice]}
     if extension is not None:
         out["specdecode"] = extension

@@ -34,23 +34,56 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: str
+    function: FunctionCallOut
 
 
 class ChatMessage(BaseModel):
     role: str
-    content: str
+    content: str | None  # None: the answer is tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -129,6 +162,7 @@ def install(app: FastAPI, model_name: str, auth: bool, limits: dict[str, int]) -
             for name in ("max_tokens", "max_completion_tokens"):  # the prompt's tokens count too: 400 beyond
                 _bound(props.get(name), limits["max_len"] - 1)
             _bound(props["num_draft_tokens"], limits["max_draft_tokens"])
+            _bound(props["n"], limits["max_choices"])  # every choice runs at once
             _bound(props.get("prompt"), limits["vocab_size"] - 1)  # token ids
             components[model.__name__] = schema
             doc["paths"][path]["post"]["requestBody"] = {

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specdecode.api import text_chunk
@@ -45,6 +45,8 @@ class Chunk:
     finish_reason: str | None
     stats: dict[str, Any]  # GenerationStats.to_dict() after this step (a copy: the worker goes on mutating)
     drafted_by: list[str | None] = field(default_factory=list)  # per token: the drafter that proposed it
+    logprobs: list | None = None  # per token (sequence.TokenLogprob), when the request asked
+    prompt_logprobs: list | None = None  # with the first chunk of an echo request: per prompt token
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunk... then a final Chunk or a Failure
     arrived: float = field(default_factory=time.perf_counter)
     seq: Any = None  # the engine's Sequence once admitted
+    followers: list[Job] = field(default_factory=list)  # n > 1: the other choices, admitted with this one
     text: TextStream | None = None
     first_token_at: float | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
@@ -90,6 +93,11 @@ class Job:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    @property
+    def members(self) -> list[Job]:
+        """This job and the choices admitted with it."""
+        return [self, *self.followers]
 
     def emit(self, event: Chunk | Failure) -> None:
         """Worker thread -> the request's event loop; never blocks."""
@@ -163,27 +171,31 @@ class Scheduler:
         self.stop()
 
     def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
-              prediction: list[int] | None = None) -> None:
+              prediction: list[int] | None = None, n: int = 1) -> None:
         """Raise SpecdecodeError for a request the engine could never run (too long for the KV budget)."""
-        self.engine.check(prompt_ids, params, num_draft_tokens, prediction)
+        self.engine.check(prompt_ids, params, num_draft_tokens, prediction, n)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
-               client: str = "", prediction: list[int] | None = None) -> Job:
-        """Queue a request (call from the event loop). Raises QueueFull past max_waiting requests in line, and
-        ClientLimit when this client already holds max_per_client requests."""
+               client: str = "", prediction: list[int] | None = None, n: int = 1) -> Job:
+        """Queue a request of `n` choices, one job each, admitted together (call from the event loop) -> the first
+        (`members`: all of them); with a seed, choice i draws from seed + i. Raises QueueFull past max_waiting requests in line, and ClientLimit when
+        this client would hold more than max_per_client."""
         with self._cond:
-            if self._per_client[client] >= self.max_per_client:
+            if self._per_client[client] + n > self.max_per_client:
                 raise ClientLimit
             if self._draining.is_set() or not self.alive and self.started:
                 raise ShuttingDown
             if self._closing.is_set() or len(self._waiting) >= self.max_waiting + self._free_slots():
                 raise QueueFull
-            job = Job(prompt_ids, params, num_draft_tokens, asyncio.get_running_loop(), client, prediction)
-            self._per_client[client] += 1
-            self._waiting.append(job)
+            loop = asyncio.get_running_loop()
+            jobs = [Job(prompt_ids, replace(params, seed=None if params.seed is None else params.seed + i),
+                        num_draft_tokens, loop, client, prediction) for i in range(n)]
+            jobs[0].followers = jobs[1:]
+            self._per_client[client] += n
+            self._waiting.append(jobs[0])
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify_all()
-        return job
+        return jobs[0]
 
     def _free_slots(self) -> int:
         """Requests that could start at once (the engine has room for them)."""
@@ -225,31 +237,37 @@ class Scheduler:
                 break
             running = Counter(j.client for j in self._running)
             job = min(self._waiting, key=lambda j: (running[j.client], j.arrived))
-            if not self.engine.can_admit(len(job.prompt_ids), job.params):
+            if not self.engine.can_admit(len(job.prompt_ids), job.params, len(job.members)):
                 break  # the fairest waits for room; nobody overtakes it, so it cannot starve
             self._waiting.remove(job)
-            try:
-                job.seq = self.engine.add(job.prompt_ids, job.params, job.num_draft_tokens, job.prediction)
-                job.text = TextStream(self.decoder.tokenizer, job.params.stop)
-            except SpecdecodeError as e:
-                self._end(job, Failure(400, str(e)), "error")
-                continue
-            except Exception:  # noqa: BLE001 - this request's admission failed (a cache, a drafter): it alone
-                log.exception("admitting a request failed")
-                if job.seq is not None:
-                    self.engine.remove(job.seq)
-                self._end(job, Failure(500, INTERNAL), "error")
-                continue
-            self._running.append(job)
-            admitted.append(job)
+            for member in job.members:  # the first choice prefills; the others copy its prompt
+                if self._start(member, job.seq if member is not job else None):
+                    admitted.append(member)
         self.metrics.waiting.set(len(self._waiting))
         return admitted
 
-    def _forget_if_cancelled(self, job: Job) -> bool:
-        if not job.cancelled:
+    def _start(self, job: Job, leader) -> bool:
+        try:
+            job.seq = self.engine.add(job.prompt_ids, job.params, job.num_draft_tokens, job.prediction, leader)
+            job.text = TextStream(self.decoder.tokenizer, job.params.stop)
+        except SpecdecodeError as e:
+            self._end(job, Failure(400, str(e)), "error")
             return False
-        self._per_client[job.client] -= 1
-        self.metrics.record_finished(None, "abort", None, time.perf_counter() - job.arrived)
+        except Exception:  # noqa: BLE001 - this request's admission failed (a cache, a drafter): it alone
+            log.exception("admitting a request failed")
+            if job.seq is not None:
+                self.engine.remove(job.seq)
+            self._end(job, Failure(500, INTERNAL), "error")
+            return False
+        self._running.append(job)
+        return True
+
+    def _forget_if_cancelled(self, job: Job) -> bool:
+        if not any(member.cancelled for member in job.members):
+            return False
+        for member in job.members:
+            self._per_client[member.client] -= 1
+            self.metrics.record_finished(None, "abort", None, time.perf_counter() - member.arrived)
         return True
 
     def _drop_cancelled(self) -> None:
@@ -262,7 +280,7 @@ class Scheduler:
         with self._cond:
             late = [j for j in self._waiting if j.arrived < deadline]
             self._waiting = [j for j in self._waiting if j.arrived >= deadline]
-        for job in late + [j for j in self._running if j.arrived < deadline]:
+        for job in [m for j in late for m in j.members] + [j for j in self._running if j.arrived < deadline]:
             if job.seq is not None:
                 self.engine.remove(job.seq)
             self._end(job, Failure(504, f"the request did not finish within {self.request_timeout_s:g} s (the "
@@ -304,9 +322,10 @@ class Scheduler:
         chunk = text_chunk(job.text, step)
         if job.text.stopped:
             self.engine.stop(seq, len(step.tokens) - len(chunk.token_ids))
+        prompt_logprobs = seq.prompt_logprobs if job.first_token_at is None else None
         job.first_token_at = job.first_token_at or time.perf_counter()
         event = Chunk(chunk.pieces, chunk.token_ids, chunk.from_draft, chunk.finish_reason, seq.stats.to_dict(),
-                      chunk.drafted_by)
+                      chunk.drafted_by, chunk.logprobs, prompt_logprobs)
         if chunk.finish_reason is None:
             job.emit(event)
         else:
@@ -333,7 +352,7 @@ class Scheduler:
             waiting, self._waiting = self._waiting, []
             self._closing.set()  # nothing more is queued behind a loop that has ended
         message = INTERNAL if self.failed else "the server is shutting down"
-        for job in waiting + list(self._running):
+        for job in [m for j in waiting for m in j.members] + list(self._running):
             if job.seq is not None:
                 self.engine.remove(job.seq)
             if job in self._running:

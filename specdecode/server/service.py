@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -16,8 +17,10 @@ from fastapi.responses import JSONResponse, Response
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.planner import Planner
+from specdecode.tool_calls import call_grammar, render
 from specdecode.server.access import client_of
 from specdecode.server.errors import ApiError
+from specdecode.server.answers import Answer, TokenTexts
 from specdecode.server.formats import Meta, completion, usage
 from specdecode.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_request, sampling_params
 from specdecode.server.scheduler import ClientLimit, QueueFull, Scheduler, ShuttingDown
@@ -34,6 +37,7 @@ class CompletionService:
         self.settings = settings
         self.max_len = decoder.engine.max_len
         self.vocab_size = len(decoder.tokenizer)
+        self.texts = TokenTexts(decoder.tokenizer)
 
     async def handle(self, request: Request, chat: bool) -> Response:
         check_json_content_type(request)
@@ -48,17 +52,22 @@ class CompletionService:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the context window is {self.max_len}: "
                                 "shorten the prompt", "messages" if chat else "prompt", "context_length_exceeded")
         params = sampling_params(req, room, None if chat else self.settings.completion_default_max_tokens)
+        if bad := [t for t in params.logit_bias if t >= self.vocab_size]:
+            raise ApiError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                           "logit_bias", "token_out_of_vocabulary")
+        params = replace(params, grammar=await self._constraint(req, chat))
         k = self._num_draft_tokens(req, params)
         prediction = await self._encode_prediction(req)
         try:
-            self.scheduler.check(ids, params, k, prediction)
+            self.scheduler.check(ids, params, k, prediction, req.n)
         except SpecdecodeError as e:
-            field = "prediction" if "prediction" in str(e) else "max_tokens"
+            field = "prediction" if "prediction" in str(e) else "n" if "n is" in str(e) or "choices" in str(e) \
+                else "logit_bias" if "logit_bias" in str(e) else "max_tokens"
             code = "context_length_exceeded" if field == "max_tokens" or "context window" in str(e) else None
             raise ApiError(400, str(e), field, code) from None
         client = client_of(request, bool(self.settings.keys), self.settings.trusted_proxies)
         try:
-            job = self.scheduler.submit(ids, params, k, client, prediction)
+            job = self.scheduler.submit(ids, params, k, client, prediction, req.n)
         except QueueFull:
             raise ApiError(503, f"the server is busy ({self.settings.max_waiting} requests already waiting): "
                                 "retry shortly", code="server_busy", headers={"Retry-After": "1"}) from None
@@ -72,17 +81,45 @@ class CompletionService:
 
         meta = Meta(req.model, chat)
         used_k = self.scheduler.default_num_draft_tokens if k is None else k
+        answer = await self._answer(req, chat, ids)
 
-        def make_usage(stats: dict) -> dict:
+        def make_usage(stats: list[dict]) -> dict:
             return usage(stats, self.decoder.method, used_k)
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return JobStream(job, meta, make_usage, include_usage, self.settings.keepalive_s)
-        finished = await collect(job, request)
+            return JobStream(job.members, meta, answer, make_usage, include_usage, self.settings.keepalive_s)
+        finished = await collect(job.members, request)
         if finished is None:  # the client left; nobody will read this
             return Response(status_code=499)
-        return JSONResponse(completion(meta, finished.text, finished.finish_reason, make_usage(finished.stats)))
+        return JSONResponse(completion(meta, answer, finished, make_usage([f.stats for f in finished])))
+
+    async def _constraint(self, req: SamplingFields, chat: bool):
+        """The grammar the answer must follow: response_format's JSON, or (tool_choice required or a named
+        function) tool calls; None for free text. Compiled off the event loop (the first one reads the tokenizer)."""
+        tools = req.tool_dicts() if chat else None
+        choice = req.choice_of_tool() if tools else "auto"
+        fmt = req.response_format.as_dict() if req.response_format is not None else None
+        try:
+            if tools and choice != "auto":
+                grammar = call_grammar(tools, choice, many=req.parallel_tool_calls)
+                return await asyncio.to_thread(self.decoder.grammars.lark, grammar)
+            if fmt is not None and fmt["type"] != "text":
+                return await asyncio.to_thread(self.decoder.response_format, fmt)
+        except SpecdecodeError as e:  # JSON Schema cannot say which schemas the grammar engine supports
+            raise ApiError(400, str(e), "tools" if tools and choice != "auto" else "response_format",
+                           "unsupported_schema") from None
+        return None
+
+    async def _answer(self, req: SamplingFields, chat: bool, ids: list[int]) -> Answer:
+        top = req.top_logprobs_wanted()
+        if chat:
+            return Answer(True, self.texts, top, tools=req.tool_dicts())
+        echo = None
+        if req.echo:
+            prompt = req.single_prompt()
+            echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.decoder.tokenizer.decode, ids)
+        return Answer(False, self.texts, top, echo, ids if echo is not None else [])
 
     async def _encode(self, req: SamplingFields, chat: bool) -> list[int]:
         prompt = req.message_dicts() if chat else req.single_prompt()
@@ -91,6 +128,8 @@ class CompletionService:
             raise ApiError(400, f"the prompt has {chars} characters, more than a context window of {self.max_len} "
                                 "tokens can hold: shorten the prompt", "messages" if chat else "prompt",
                            "context_length_exceeded")
+        if chat and req.tool_dicts():
+            return await self._encode_with_tools(prompt, req.tool_dicts())
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
@@ -105,6 +144,16 @@ class CompletionService:
         if not ids:
             raise ApiError(400, "the prompt is empty after tokenization", "prompt")
         return ids
+
+    async def _encode_with_tools(self, messages: list[dict], tools: list[dict]) -> list[int]:
+        tokenizer = self.decoder.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template to render tools with", "tools")
+        try:
+            text = await asyncio.to_thread(render, tokenizer, messages, tools)
+        except SpecdecodeError as e:
+            raise ApiError(400, str(e), "tools") from None
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
 
     async def _encode_prediction(self, req: SamplingFields) -> list[int] | None:
         if req.prediction is None:
