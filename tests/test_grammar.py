@@ -169,8 +169,9 @@ class NoRepeatState:
             self.last = tokens[-1]
 
 
-@pytest.mark.parametrize("width", [1, 2])
-def test_sampling_under_a_grammar_keeps_the_masked_targets_distribution(width):
+def test_sampling_under_a_grammar_keeps_the_masked_targets_distribution(width=2):
+    """A draft model's tree (siblings drawn without replacement from masked, penalised rows); test_rules.py's
+    sampling test drafts a chain."""
     vocab, eos, length, trials = 4, 3, 3, 6000
     target_chain, draft_chain = random_chain(vocab, 10), random_chain(vocab, 11, sharpness=2.0)
     params = SamplingParams(temperature=1.0, max_new_tokens=length, grammar=NoRepeatGrammar(), presence_penalty=0.5)

@@ -177,6 +177,9 @@ def test_completions_echo_prompt_logprobs(clients, servers):
                     for t, v, o in zip(p.choices[0].logprobs.tokens, p.choices[0].logprobs.token_logprobs,
                                        p.choices[0].logprobs.text_offset)]
         assert streamed == list(zip(lp.tokens, lp.token_logprobs, lp.text_offset))
+        plain = client.completions.create(model=SMOL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                          stream=True)  # echo without logprobs: the prompt still opens the text
+        assert "".join(p.choices[0].text for p in plain) == choice.text
         return choice.text, lp.tokens, lp.token_logprobs, lp.top_logprobs
 
     on_both(clients, ask)

@@ -94,10 +94,9 @@ def test_penalties_mean_what_openai_and_vllm_document():
     assert run(engine, prompt, params) == expected
 
 
-@pytest.mark.parametrize("width", [1, 2])
-def test_sampling_with_penalties_keeps_the_penalised_targets_distribution(width):
+def test_sampling_with_penalties_keeps_the_penalised_targets_distribution(width=1):
     """Every output of three tokens, its exact probability under the penalised target, against 6000 runs with
-    a draft model's chain (width 1) and tree (siblings drawn without replacement)."""
+    a draft model's chain, its rows penalised too (test_grammar.py's sampling test drafts a tree)."""
     vocab, eos, length, trials = 4, 3, 3, 6000
     target_chain, draft_chain = random_chain(vocab, 10), random_chain(vocab, 11, sharpness=2.0)
     params = SamplingParams(temperature=0.9, max_new_tokens=length, presence_penalty=0.8, frequency_penalty=0.5,

@@ -58,7 +58,8 @@ async def sse_events(jobs: list[Job], meta: Meta, answer: Answer, make_usage: Us
         for index in range(len(jobs)):
             yield sse(chunk(meta, "", role=True, index=index))
     held = [""] * len(jobs)
-    offsets = [len(answer.echo or "")] * len(jobs)
+    offsets = [0] * len(jobs)  # characters of each choice's text sent so far (completions' text_offset)
+    echoed = [answer.echo is None] * len(jobs)
     finals: dict[int, dict] = {}
     async with aclosing(merged_events(jobs, keepalive_s)) as events:
         async for index, event in events:
@@ -76,9 +77,10 @@ async def sse_events(jobs: list[Job], meta: Meta, answer: Answer, make_usage: Us
                     yield sse(tool_chunk(meta, answer, index, held[index], event))
             else:
                 prompt = None
-                if event.prompt_logprobs is not None and answer.echo is not None:
-                    text, prompt = answer.echo + text, (answer.echo_ids, event.prompt_logprobs)
-                    offsets[index] = 0
+                if not echoed[index]:  # echo: the prompt opens each choice's first chunk, with its logprobs
+                    text, echoed[index] = answer.echo + text, True
+                    if event.prompt_logprobs is not None:
+                        prompt = (answer.echo_ids, event.prompt_logprobs)
                 logprobs = answer.logprobs(event.token_ids, event.logprobs, prompt, offsets[index])
                 offsets[index] += len(text)
                 if text or done or logprobs:
