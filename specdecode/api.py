@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdecode.budget import CostCurve, load_or_measure
-from specdecode.config import SamplingParams
+from specdecode.config import SamplingParams, choice_seed
 from specdecode.drafters import Drafter
 from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB, open_pool
 from specdecode.engine import Engine, Step
@@ -195,7 +195,7 @@ class SpecDecoder:
         if engine.running:
             raise SpecdecodeError("generate_n runs alone; this engine is serving others (use add/step)")
         engine.check(ids, params, num_draft_tokens, n=n)
-        choices = [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+        choices = [replace(params, seed=choice_seed(params.seed, i)) for i in range(n)]
         seqs = [engine.add(ids, choices[0], num_draft_tokens)]
         seqs += [engine.add(ids, p, num_draft_tokens, leader=seqs[0]) for p in choices[1:]]
         outs = [Generation("", [], [], None, logprobs=[] if params.logprobs is not None else None) for _ in seqs]

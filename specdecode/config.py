@@ -148,3 +148,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """n > 1: choice i of a seeded request draws from seed + i (within a generator's 64 bits); choice 0 is the
+    request a single answer with that seed would be."""
+    return seed if seed is None or choice == 0 else (seed + choice) % 2**64

@@ -34,7 +34,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.lockstep import run_batched
 from specdecode.errors import SpecdecodeError
-from specdecode.kv_cache import bytes_per_token
+from specdecode.kv_cache import KVCache, bytes_per_token
 from specdecode.model import Part, prompt_as_decode_rows
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.planner import MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, Planner
@@ -147,7 +147,8 @@ class Engine:
                 k = PREDICTION_DRAFT_TOKENS
         seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos, k, self.target.device)
         seq.stats.verify_costs = self.costs if seq.auto else None
-        if leader is not None and leader in self.reserved and leader.prefilling and leader.tokens == seq.tokens:
+        if (leader is not None and leader in self.reserved and leader.prefilling and leader.tokens == seq.tokens
+                and isinstance(cache, KVCache)):  # a transformers cache is not copied: it prefills on its own
             seq.leader = leader
         self.running.append(seq)
         self.reserved[seq] = need
@@ -268,16 +269,21 @@ class Engine:
         the automatic drafts together."""
         chosen = self.planner.choose(decoding, prefill_rows)
         asked: list[tuple[Sequence, int, DraftContext]] = []  # (request, budget, context) of those who draft
+        early: list[tuple[Sequence, Exception]] = []
         for seq in decoding:
             if seq not in chosen:
                 seq.skip_draft()  # its drafter catches up when it drafts again
                 continue
-            budget, ctx = seq.draft_request(self.planner.plan(seq, len(decoding), prefill_rows))
+            try:  # the grammar's forced tokens are read here: a grammar's failure costs this request alone
+                budget, ctx = seq.draft_request(self.planner.plan(seq, len(decoding), prefill_rows))
+                if not seq.proposed:  # nothing to draft, or the grammar's forced tokens
+                    seq.proposed_draft(Draft.empty(self.target.device))
+            except Exception as e:  # noqa: BLE001
+                early.append((seq, e))
+                continue
             if seq.proposed:
                 asked.append((seq, budget, ctx))
-            else:  # nothing to draft, or the grammar's forced tokens
-                seq.proposed_draft(Draft.empty(self.target.device))
-        failed = self._propose_all(asked)
+        failed = early + self._propose_all(asked)
         broken = {id(s) for s, _ in failed}
         self.planner.cut([s for s in decoding if id(s) not in broken], prefill_rows)
         return failed

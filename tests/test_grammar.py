@@ -216,3 +216,35 @@ def test_a_bitmask_keeps_exactly_its_tokens(monkeypatch, native, vocab):
     grammar.apply_bitmask(out, bits)
     allowed = torch.tensor([[bool((int(bits[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(3)])
     assert torch.equal(out, logits.masked_fill(~allowed, float("-inf")))
+
+
+def test_drafts_past_the_end_of_the_text_leave_the_grammar_where_it_was(tokenizer, compiler):
+    """A tree with EOS twice on a path and a branch beside it: cut and masks neither fail nor move the request's
+    state (an EOS on a stopped matcher counts no token, so walks never go past one)."""
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    constraint = compiler.json_schema(SCHEMA)
+    rules = OutputRules(SamplingParams(grammar=constraint), [1], (eos,))
+    text = tokenizer.encode('{"name": "ab", "ok": true}', add_special_tokens=False)
+    rules.emitted(text[:-1])
+    close = text[-1]
+    tokens, parents = [close, eos, eos, close, eos], [-1, 0, 1, -1, 3]
+    kept = rules.cut(torch.tensor(tokens), torch.tensor(parents))
+    assert kept == [0, 1, 3, 4]  # nothing after an EOS
+    kept_parents = [-1, 0, -1, 2]
+    shaped = rules.shape(torch.zeros(5, vocab), torch.tensor([tokens[i] for i in kept]), torch.tensor(kept_parents))
+    for row in (2, 4):  # after EOS: only EOS
+        assert (shaped[row] > float("-inf")).nonzero().flatten().tolist() == [eos]
+    assert torch.equal(shaped[0] > float("-inf"), fresh_mask(constraint, text[:-1], vocab))
+    assert torch.equal(rules.shape(torch.zeros(1, vocab))[0] > float("-inf"), fresh_mask(constraint, text[:-1], vocab))
+
+
+def test_min_tokens_cannot_keep_a_finished_grammar_from_ending(tokenizer, compiler):
+    vocab = len(tokenizer)
+    target = tiny_native("qwen2", seed=0, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id)
+    schema = {"type": "object", "required": ["s"], "additionalProperties": False, "properties": {"s": {"const": "x"}},
+              "x-guidance": {"whitespace_flexible": False}}
+    params = SamplingParams(max_new_tokens=40, min_tokens=30, grammar=compiler.json_schema(schema))
+    engine = Engine(target, NoDrafter())
+    out = run(engine, tokenizer.encode("JSON:", add_special_tokens=False), params)
+    assert json.loads(tokenizer.decode(out, skip_special_tokens=True)) == {"s": "x"}
+    assert engine.last.finish_reason == "stop"

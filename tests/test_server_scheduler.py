@@ -415,3 +415,10 @@ def test_a_dead_engine_stops_the_server_with_a_non_zero_status():
     thread.join(30)
     assert not thread.is_alive() and app.state.scheduler.failed
     assert EXIT_ENGINE_DIED != 0
+
+
+def test_choice_seeds_stay_within_a_generators_64_bits():
+    from specdecode.config import choice_seed
+
+    assert [choice_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert choice_seed(2**64 - 1, 1) == 0 and choice_seed(None, 2) is None

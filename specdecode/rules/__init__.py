@@ -28,6 +28,7 @@ class OutputRules:
         self.penalties = Penalties(params, prompt_ids, eos_ids) if params.shapes_logits else None
         self.grammar = params.grammar.matcher() if params.grammar is not None else None
         self.active = params.shapes_logits
+        self.eos = sorted(set(eos_ids))
 
     def shape(self, logits: torch.Tensor, draft_tokens: torch.Tensor | list[int] | None = None,
               parents: torch.Tensor | list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor:
@@ -48,6 +49,11 @@ class OutputRules:
             self.penalties.apply(shaped, tokens, on_path, depth)
         if self.grammar is not None:
             self.grammar.mask(shaped, tokens, parents.tolist(), rows)
+            # min_tokens forbids EOS where the grammar allows nothing else: the grammar wins, the text ends
+            dead = ~torch.isfinite(shaped).any(-1)
+            if bool(dead.any()) and self.eos:
+                eos = torch.tensor(self.eos, device=shaped.device)
+                shaped[dead.nonzero()[:, :1], eos] = logits.float()[dead.nonzero()[:, :1], eos]
         return shaped
 
     def cut(self, tokens: torch.Tensor, parents: torch.Tensor) -> list[int] | None:

@@ -109,10 +109,11 @@ class GrammarState:
         path: list[int] = []  # nodes consumed, root first
         walker = self.matcher.deep_copy()
         for node, (token, parent) in enumerate(zip(tokens, parents)):
-            if parent >= 0 and not legal[parent]:
-                continue
+            if parent >= 0 and (not legal[parent] or tokens[parent] in self.eos_ids):
+                continue  # under a node the grammar rejects, or after the end of the text: nothing follows
             _walk_to(walker, path, parent, tokens, parents)
-            if walker.validate_tokens([token]) == 1:
+            # EOS: where the text may end (llguidance's check of tokens leaves EOS out)
+            if (walker.is_accepting() if token in self.eos_ids else walker.validate_tokens([token]) == 1):
                 legal[node] = True
                 kept.append(node)
         return kept
@@ -126,6 +127,10 @@ class GrammarState:
         path: list[int] = []
         walker = self.matcher.deep_copy()  # the request's own matcher only ever moves forward
         for r, node in enumerate(rows):
+            if self._ends(node, tokens, parents):  # after EOS the text is over: only EOS, as a stopped matcher
+                for eos in self.eos_ids:
+                    bitmask[r, eos // 32] |= _bit(eos % 32)
+                continue
             _walk_to(walker, path, node, tokens, parents)
             llguidance.torch.fill_next_token_bitmask(walker, bitmask, r)
         dead = torch.from_numpy(~bitmask.numpy().any(-1))
@@ -133,6 +138,15 @@ class GrammarState:
             eos = self.eos_ids[0]
             bitmask[dead, eos // 32] |= _bit(eos % 32)
         apply_bitmask(logits, bitmask)
+
+    def _ends(self, node: int, tokens: list[int], parents: list[int]) -> bool:
+        """Whether an EOS lies on `node`'s path. The matcher is never walked past one: llguidance counts no token
+        for an EOS consumed once it has stopped, so rolling back along such a path would undo too much."""
+        while node >= 0:
+            if tokens[node] in self.eos_ids:
+                return True
+            node = parents[node]
+        return False
 
     def forced(self, limit: int) -> list[int]:
         """Tokens the grammar forces next (one legal continuation, tokenized as it must be), at most `limit`."""

@@ -27,7 +27,7 @@ from typing import Any
 
 from specdecode.api import text_chunk
 from specdecode.compute import ComputeThread
-from specdecode.config import SamplingParams
+from specdecode.config import SamplingParams, choice_seed
 from specdecode.errors import SpecdecodeError
 from specdecode.server.metrics import Metrics
 from specdecode.text import TextStream
@@ -188,7 +188,7 @@ class Scheduler:
             if self._closing.is_set() or len(self._waiting) >= self.max_waiting + self._free_slots():
                 raise QueueFull
             loop = asyncio.get_running_loop()
-            jobs = [Job(prompt_ids, replace(params, seed=None if params.seed is None else params.seed + i),
+            jobs = [Job(prompt_ids, replace(params, seed=choice_seed(params.seed, i)),
                         num_draft_tokens, loop, client, prediction) for i in range(n)]
             jobs[0].followers = jobs[1:]
             self._per_client[client] += n

@@ -55,6 +55,9 @@ class CompletionService:
         if bad := [t for t in params.logit_bias if t >= self.vocab_size]:
             raise ApiError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                            "logit_bias", "token_out_of_vocabulary")
+        if req.n > self.settings.max_per_client:
+            raise ApiError(400, f"n is {req.n} but a client may run at most {self.settings.max_per_client} requests "
+                                "at once: lower n", "n")
         params = replace(params, grammar=await self._constraint(req, chat))
         k = self._num_draft_tokens(req, params)
         prediction = await self._encode_prediction(req)
@@ -113,6 +116,8 @@ class CompletionService:
 
     async def _answer(self, req: SamplingFields, chat: bool, ids: list[int]) -> Answer:
         top = req.top_logprobs_wanted()
+        if top is not None:  # the token texts are read once, off the event loop (a second for 150k tokens)
+            await asyncio.to_thread(self.texts.bytes_of, 0)
         if chat:
             return Answer(True, self.texts, top, tools=req.tool_dicts())
         echo = None
