@@ -226,7 +226,7 @@ class Sequence:
             if self.prediction is not None:
                 self.stats.accepted_prediction_tokens = self.prediction.accepted
         rows = [0] + [node + 1 for node in accepted]  # the row each emitted token was sampled from
-        step = self._finish(verdict.emitted.tolist(), len(draft), len(accepted), logits[rows])
+        step = self._finish(verdict.emitted.tolist(), len(draft), len(accepted), logits, rows)
         step.drafter = ("grammar" if self.free_draft else self.drafter.proposer) if len(draft) else None
         now = time.perf_counter()
         self.stats.record_step(len(draft), len(accepted), len(step.tokens), now - self.step_started,
@@ -253,9 +253,11 @@ class Sequence:
     def _hold(self, rows: torch.Tensor) -> None:
         self.hidden = rows if self.hidden is None else torch.cat((self.hidden, rows))
 
-    def _finish(self, emitted: list[int], num_drafted: int, num_accepted: int, logits: torch.Tensor) -> Step:
+    def _finish(self, emitted: list[int], num_drafted: int, num_accepted: int, logits: torch.Tensor,
+                rows: list[int] | None = None) -> Step:
         """Cut `emitted` at EOS or the token budget, append it to `tokens`, and say why generation ends.
-        `logits`: the target's raw rows each emitted token was sampled from (for logprobs)."""
+        `logits`: the target's raw rows, `rows` the one each emitted token was sampled from (None: in order); read
+        only when the request asked for logprobs (a copy of 152k-wide rows every step otherwise)."""
         reason = None
         for i, token in enumerate(emitted):
             if token in self.eos:
@@ -271,7 +273,8 @@ class Sequence:
         self.finish_reason = reason
         logprobs = None
         if self.params.logprobs is not None:
-            logprobs = token_logprobs(logits[: len(emitted)], torch.tensor(emitted), self.params.logprobs)
+            picked = logits if rows is None else logits[rows[: len(emitted)]]
+            logprobs = token_logprobs(picked[: len(emitted)], torch.tensor(emitted), self.params.logprobs)
         return Step(emitted, num_drafted, min(num_accepted, len(emitted)), reason, logprobs=logprobs)
 
 
