@@ -32,7 +32,7 @@ browser:
 # Test files spread over the CPUs (each file on one worker, so a module's loaded models are loaded once): most
 # tests are single-threaded Python over toy models, and on 2 cores the suite took 5 min instead of 13.
 test: dev browser
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=20
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -67,6 +67,8 @@ def drafters(target):
         "self-draft-tree": DraftModelDrafter(target, vocab_size=64, width=2),
         "scripted-tree": ScriptedTreeDrafter(lambda toks, k: full[len(toks): len(toks) + k], vocab=64),
         "draft-model": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64),
+        "draft-model-window": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, window=7),
+        "hybrid-window": HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, window=7)),
         "draft-model-llama": DraftModelDrafter(tiny_native("llama", seed=2), vocab_size=64),
         "draft-model-adaptive": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, min_confidence=0.03),
         "self-draft": DraftModelDrafter(target, vocab_size=64),
@@ -168,6 +170,30 @@ def test_draft_forward_time_leaves_out_the_prompt_and_catching_up(target, monkey
     drafter.commit([0, 1, 2, 3])
     drafter.propose(DraftContext(PROMPT + draft.tokens.tolist() + [5, 6, 7], params, None), 2)  # sat out 2 steps
     assert drafter.forwards == 1 and len(timed) == 5  # the catching up is not timed, the one deeper forward is
+
+
+def test_a_windowed_draft_reads_the_first_and_newest_prompt_tokens(target):
+    """A draft model with a window keeps the prompt's first SINK_TOKENS and its newest tokens, at consecutive
+    positions; what it catches up on later follows the window, and its guesses are those of a draft that only ever
+    saw those tokens."""
+    from specdecode.drafters.base import DraftContext
+    from specdecode.drafters.draft_model import SINK_TOKENS
+
+    prompt = list(range(1, 30))
+    params = SamplingParams(max_new_tokens=8)
+    model = tiny_native("qwen2", seed=1)
+    windowed = DraftModelDrafter(model, vocab_size=64, window=10)
+    draft = windowed.propose(DraftContext(prompt, params, None), 3)
+    read = prompt[:SINK_TOKENS] + prompt[-1 - (10 - SINK_TOKENS):]  # the window, then the root
+    assert windowed.skipped == len(prompt) - 1 - 10
+    alone = DraftModelDrafter(model, vocab_size=64)
+    assert torch.equal(draft.tokens, alone.propose(DraftContext(read, params, None), 3).tokens)
+    windowed.commit([0])
+    later = prompt + [draft.tokens[0].item(), 7, 8]  # one accepted, then steps it sat out
+    alone.commit([0])
+    assert windowed.behind(later) == alone.behind(read + later[len(prompt):]) > 1
+    assert torch.equal(windowed.propose(DraftContext(later, params, None), 2).tokens,
+                       alone.propose(DraftContext(read + later[len(prompt):], params, None), 2).tokens)
 
 
 def test_sampling_with_seed_is_reproducible(target):

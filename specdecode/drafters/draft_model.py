@@ -1,6 +1,8 @@
 """A separate, smaller model with the same tokenizer drafts a tree (or a chain) from its own KV cache.
 
-Bookkeeping with absolute lengths: below `base_length` the draft cache holds a prefix of the request's tokens.
+It reads at most `window` prompt tokens (planner.DRAFT_WINDOW: the first few and the newest), so a long prompt
+costs it little. Bookkeeping with absolute lengths: below `base_length` the draft cache holds a prefix of the
+request's tokens (its context from `skipped` tokens on, after the first SINK_TOKENS, when the prompt was cut).
 `propose` first catches up on the tokens the cache lacks (the last emitted token; after a fully accepted draft also
 the last draft token, which was never fed), then grows the draft depth by depth, best nodes first (EAGLE-2's
 dynamic tree): the `width` best nodes of the newest depth, by cumulative draft probability, go through one batched
@@ -38,6 +40,7 @@ TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
 # Nodes of a depth fed to the next draft forward in a tree. On a 2-core CPU feeding three cost 16.8 ms against
 # 14.8 for one and lost speed; leaves as siblings cost no draft compute (BENCHMARKS.md).
 TREE_EXPAND = 1
+SINK_TOKENS = 4  # the first prompt tokens a windowed draft keeps, as attention sinks (StreamingLLM)
 
 
 class DraftModelDrafter(GrowsTrees):
@@ -45,9 +48,11 @@ class DraftModelDrafter(GrowsTrees):
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 256,
                  min_confidence: float = 0.0, width: int = 1, max_depth: int = 8, expand: int | None = None,
-                 head_tokens: torch.Tensor | None = None, clock: ForwardTime | None = None) -> None:
+                 head_tokens: torch.Tensor | None = None, clock: ForwardTime | None = None,
+                 window: int | None = None) -> None:
         """`head_tokens`: the vocabulary id of each logit of a draft head cut to frequent tokens
-        (vocab_subset.cut_draft_head), None when it scores the whole vocabulary."""
+        (vocab_subset.cut_draft_head), None when it scores the whole vocabulary. `window`: the most prompt tokens
+        it reads (its first `SINK_TOKENS` and the newest), None for the whole prompt."""
         self.model = model
         self.device = model.device
         self.head_tokens = None if head_tokens is None else head_tokens.to(model.device)
@@ -64,6 +69,9 @@ class DraftModelDrafter(GrowsTrees):
         self.clock = clock or ForwardTime()  # running seconds of one draft forward, shared with its forks
         self.forwards = 0  # forwards of the last draft, its catching up excluded
         self.catching_up = False  # the forward now running feeds a prompt or steps this drafter sat out
+        self.window = window
+        self.skipped = 0  # prompt tokens left out of its cache (between the sink and the window): cache slot
+        # c >= SINK_TOKENS holds context token c + skipped
 
     @property
     def forward_model(self) -> torch.nn.Module:
@@ -75,12 +83,12 @@ class DraftModelDrafter(GrowsTrees):
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.model, self.vocab_size, self.initial_len, self.min_confidence, self.width,
-                                 self.max_depth, self.expand, self.head_tokens, self.clock)
+                                 self.max_depth, self.expand, self.head_tokens, self.clock, self.window)
 
     def reset(self) -> None:
         if self.cache is not None:
             self.cache.reset()
-        self.nodes, self.kept, self.base_length = [], [], 0
+        self.nodes, self.kept, self.base_length, self.skipped = [], [], 0, 0
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -95,13 +103,14 @@ class DraftModelDrafter(GrowsTrees):
             return Draft.empty()
         started = time.perf_counter()
         self._ensure_capacity(len(ctx.tokens) + self.max_depth * self.expand + 1)
-        pending = ctx.tokens[self.cache.length :]  # [>= 1] tokens not yet in the draft cache
+        pending = ctx.tokens[self.cache.length + self.skipped :]  # [>= 1] tokens not yet in the draft cache
         self.catching_up = True
         if self.cache.length == 0 and len(pending) > 1:
+            prompt = self._windowed(pending[:-1])
             # Each position computed as the target computes it (its prompt as the target reads its own), every later
             # token as a one-row decode. With 8-bit activations a last-bit difference can flip a rounding, and a
             # draft that rounds like the target guesses more of its near-ties right.
-            yield self._chain_part(pending[:-1], decode=prompt_as_decode_rows(self.model))
+            yield self._chain_part(prompt, decode=prompt_as_decode_rows(self.model))
             pending = pending[-1:]
         # The root, and the last token of a fully accepted draft: more than that are steps it sat out.
         self.catching_up = len(pending) > 2
@@ -118,7 +127,18 @@ class DraftModelDrafter(GrowsTrees):
 
     def behind(self, tokens: list[int]) -> int:
         """Tokens its cache lacks: what the next draft first feeds (the prompt, or steps it sat out)."""
-        return len(tokens) - (self.cache.length if self.cache is not None else 0)
+        return len(tokens) - (self.cache.length + self.skipped if self.cache is not None else 0)
+
+    def _windowed(self, prompt: list[int]) -> list[int]:
+        """The prompt tokens its cache will hold: all of them, or with a `window` its first SINK_TOKENS (small
+        models lean their attention on the first positions) and the newest. Positions follow the cache, so the
+        window's tokens keep their distances to each other. Reading a long prompt costs a draft model about a
+        third of the target's prefill, which a short answer never earns back (BENCHMARKS.md, "A window on the
+        draft's prompt")."""
+        if self.window is None or len(prompt) <= self.window:
+            return prompt
+        self.skipped = len(prompt) - self.window
+        return prompt[:SINK_TOKENS] + prompt[SINK_TOKENS + self.skipped :]
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Accepted nodes that were fed stay, moved behind the agreed prefix; a node never fed (a leaf) ends them.
