@@ -183,6 +183,7 @@ def test_a_windowed_draft_reads_the_first_and_newest_prompt_tokens(target):
     params = SamplingParams(max_new_tokens=8)
     model = tiny_native("qwen2", seed=1)
     windowed = DraftModelDrafter(model, vocab_size=64, window=10)
+    assert windowed.behind(prompt) == 11  # what its first draft will feed: the window and the root
     draft = windowed.propose(DraftContext(prompt, params, None), 3)
     read = prompt[:SINK_TOKENS] + prompt[-1 - (10 - SINK_TOKENS):]  # the window, then the root
     assert windowed.skipped == len(prompt) - 1 - 10
@@ -261,7 +262,8 @@ def test_hybrid_output_distribution_is_the_targets_whichever_drafter_proposes(au
     prompt = [0, 1, 2, 0, 1, 0, 2, 1, 0, 1]
     params = SamplingParams(temperature=1.0, max_new_tokens=length)
     exact = exact_sequence_probs(target_chain, start=prompt[-1], length=length, eos=eos)
-    drafter = HybridDrafter(DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab))
+    # the draft reads a window of the prompt, as by default (there: 128 tokens)
+    drafter = HybridDrafter(DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, window=6))
     used = {"copy": 0, "model": 0}
 
     def counted_fork(fork=drafter.fork):  # each request's drafter counts which of its two drafters committed

@@ -126,8 +126,10 @@ class DraftModelDrafter(GrowsTrees):
         return self.forwards * self.forward_s
 
     def behind(self, tokens: list[int]) -> int:
-        """Tokens its cache lacks: what the next draft first feeds (the prompt, or steps it sat out)."""
-        return len(tokens) - (self.cache.length + self.skipped if self.cache is not None else 0)
+        """Tokens its next draft first feeds: the prompt (as far as its window reads it), or steps it sat out."""
+        if self.cache is None or self.cache.length == 0:
+            return len(tokens) if self.window is None else min(len(tokens), self.window + 1)
+        return len(tokens) - self.cache.length - self.skipped
 
     def _windowed(self, prompt: list[int]) -> list[int]:
         """The prompt tokens its cache will hold: all of them, or with a `window` its first SINK_TOKENS (small
