@@ -13,28 +13,17 @@ tokens/s per set (new tokens over wall time, prefill included) and the ratio to 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
-from pathlib import Path
 
 from specdecode import SamplingParams, SpecDecoder
+from specdecode.bench.data import load_prompts
 from specdecode.drafters import HybridDrafter, NoDrafter
-
-
-def prompts(files: list[str], limit: int) -> list[tuple[str, str]]:
-    out = []
-    for name in files:
-        for line in Path(name).read_text().splitlines()[:limit]:
-            row = json.loads(line)
-            text = row.get("prompt") or row.get("question") or (row.get("turns") or [""])[0]
-            out.append((Path(name).stem.split("_")[0], text))
-    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", nargs="+", help="JSONL prompt sets (prompt, question or turns[0] per row)")
+    ap.add_argument("files", nargs="+", help="JSONL prompt sets, as `specdecode bench --dataset` reads them (first turns)")
     ap.add_argument("--windows", default="all,256,128", help="window sizes to compare; all: the whole prompt")
     ap.add_argument("--limit", type=int, default=100, help="prompts per file")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -52,8 +41,8 @@ def main() -> None:
 
     totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     mismatches = 0
-    for i, (kind, text) in enumerate(prompts(args.files, args.limit)):
-        chat = [{"role": "user", "content": text}]
+    for i, prompt in enumerate(load_prompts(args.files, args.limit, prompt_as_chat=True)):
+        kind, chat = prompt.dataset.split("_")[0], prompt.messages(0, [])
         outputs = {}
         for setting in settings[i % len(settings):] + settings[: i % len(settings)]:
             if setting != "none":

@@ -19,8 +19,7 @@ from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.drafters.hybrid import NGRAM_BRANCHES
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import Models
-from specdecode import planner
-from specdecode.planner import DRAFT_MIN_CONFIDENCE
+from specdecode.planner import DRAFT_MIN_CONFIDENCE, DRAFT_WINDOW
 
 SHAPES = ("chain", "tree")
 
@@ -62,7 +61,7 @@ def _draft_model(models: Models, tree: bool, max_ngram: int) -> Drafter:
     return DraftModelDrafter(models.draft, vocab_size=models.target.config.vocab_size,
                              min_confidence=DRAFT_MIN_CONFIDENCE, width=draft_model.TREE_WIDTH if tree else 1,
                              expand=draft_model.TREE_EXPAND if tree else 1, head_tokens=models.draft_head_tokens,
-                             window=planner.DRAFT_WINDOW)
+                             window=DRAFT_WINDOW)
 
 
 def _eagle(models: Models, tree: bool, max_ngram: int) -> EagleDrafter:

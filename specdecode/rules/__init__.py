@@ -50,10 +50,10 @@ class OutputRules:
         if self.grammar is not None:
             self.grammar.mask(shaped, tokens, parents.tolist(), rows)
             # min_tokens forbids EOS where the grammar allows nothing else: the grammar wins, the text ends
-            dead = ~torch.isfinite(shaped).any(-1)
-            if bool(dead.any()) and self.eos:
+            dead = (~torch.isfinite(shaped).any(-1)).nonzero()[:, :1]  # [rows, 1]
+            if dead.numel() and self.eos:
                 eos = torch.tensor(self.eos, device=shaped.device)
-                shaped[dead.nonzero()[:, :1], eos] = logits.float()[dead.nonzero()[:, :1], eos]
+                shaped[dead, eos] = logits[dead, eos].float()
         return shaped
 
     def cut(self, tokens: torch.Tensor, parents: torch.Tensor) -> list[int] | None:
