@@ -1,10 +1,10 @@
 """What a target forward costs on this machine: the verify cost curve C(m), for a forward over m tokens.
 
-Measured once per model, weights, dtype and machine and cached (a few seconds), then lowered to the fastest times
-the engine sees in use (a measurement that caught a slow spell of a shared machine would otherwise skew every
-choice). The planner (planner.py) makes every draft-size decision from it. On a GPU C is flat; on a CPU, where
-C(8) is 1.1-1.6x C(1), it is not. The engine also needs C at batch sizes (many requests' rows, prompt chunks): a
-few are measured up to 128 rows, and the curve is linear between measured sizes.
+Measured once per model, weights, dtype and machine and cached (a few seconds), then replaced size by size by the
+median of the times the engine sees in use (`InUseCurve`): what a forward costs while the machine does everything
+else a step does, not in a quiet moment. The planner (planner.py) makes every draft-size decision from it. On a
+GPU C is flat; on a CPU, where C(8) is 1.1-2.3x C(1), it is not. The engine also needs C at batch sizes (many
+requests' rows, prompt chunks): a few are measured up to 128 rows, and the curve is linear between measured sizes.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import math
 import os
 import platform
 import sys
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,20 +49,6 @@ class CostCurve:
         (m0, s0), (m1, s1) = points[-2], points[-1]
         return s1 + (s1 - s0) / (m1 - m0) * (m - m1)
 
-    def observe(self, m: int, seconds: float) -> CostCurve:
-        """The curve after a verify forward over m tokens took `seconds` in use: a shared machine has slow spells,
-        and one caught by the measurement would skew the choice for good, so a size keeps the fastest time seen.
-        A faster m lowers the sizes above it by the same factor (the machine is quicker than measured, not just
-        this size) and caps those below it. Lowering only the sizes in use would bias the choice: one-token
-        forwards are the most frequent, their fastest time drops furthest, drafting looks dearer and dearer,
-        and once it stops no draft size is timed again to correct it."""
-        if m > len(self.seconds) or seconds >= self.seconds[m - 1]:
-            return self
-        factor = seconds / self.seconds[m - 1]
-        return CostCurve(tuple(min(s, seconds) if j < m else s * factor
-                               for j, s in enumerate(self.seconds, start=1)),
-                         tuple((size, s * factor) for size, s in self.tail))
-
     def ratios(self) -> list[float]:
         """Cost relative to a one-token forward, for reports."""
         return [s / self.seconds[0] for s in self.seconds]
@@ -68,6 +56,64 @@ class CostCurve:
     def to_dict(self) -> dict:
         return {"seconds": list(self.seconds), "ratio_to_one_token": [round(r, 3) for r in self.ratios()],
                 "batch_sizes": [[m, s] for m, s in self.tail]}
+
+
+IN_USE_WINDOW = 24  # a size's most recent in-use times whose median stands for it
+IN_USE_MIN = 4  # in-use times a size needs before its median replaces the measured value
+
+
+class InUseCurve:
+    """The verify cost curve as forwards run in use: each size's median over its last IN_USE_WINDOW times, and the
+    measured curve, scaled to the machine's speed now, for sizes not seen often enough yet.
+
+    Keeping each size's fastest time instead (as this engine did before) drifted the curve to a quiet moment's
+    shape: on a 2-core AVX2 machine it came to price 8 rows at 1.21x one row where they took 1.7-1.8x in use, and
+    the planner verified far more nodes than paid. A median follows the machine both ways and lets no lucky
+    forward of one size talk the planner into or out of drafting."""
+
+    def __init__(self, measured: CostCurve, window: int = IN_USE_WINDOW, min_times: int = IN_USE_MIN) -> None:
+        self.measured, self.window, self.min_times = measured, window, min_times
+        self.times: dict[int, deque[float]] = {}
+        self.medians: dict[int, float] = {}  # sizes with at least min_times in-use times
+        self.curve = measured
+
+    def observe(self, m: int, seconds: float) -> CostCurve:
+        """The curve after a forward over m rows took `seconds` (sizes past the measured run: scaled, not kept)."""
+        if not 1 <= m <= len(self.measured.seconds) or not math.isfinite(seconds) or seconds <= 0:
+            return self.curve
+        times = self.times.setdefault(m, deque(maxlen=self.window))
+        times.append(seconds)
+        if len(times) >= self.min_times:
+            self.medians[m] = statistics.median(times)
+            self.curve = self._curve()
+        return self.curve
+
+    def _curve(self) -> CostCurve:
+        """Known sizes at their medians; the others at the measured time times the in-use/measured ratio of the
+        nearest known sizes (interpolated between them): a request that always drafts never times one row, and
+        its C(1) then follows C(2), not the far end of the curve."""
+        measured = self.measured.seconds
+        known = sorted(self.medians)
+        ratio = {m: self.medians[m] / measured[m - 1] for m in known}
+        seconds, floor = [], 0.0
+        for m, measured_s in enumerate(measured, start=1):
+            if m in ratio:
+                at = self.medians[m]
+            else:
+                below = max((k for k in known if k < m), default=None)
+                above = min((k for k in known if k > m), default=None)
+                if below is None or above is None:
+                    r = ratio[below if above is None else above]
+                else:
+                    r = ratio[below] + (ratio[above] - ratio[below]) * (m - below) / (above - below)
+                at = measured_s * r
+            floor = max(floor, at)  # more rows never cost less
+            seconds.append(floor)
+        tail, floor = [], seconds[-1]
+        for size, measured_s in self.measured.tail:
+            floor = max(floor, measured_s * ratio[known[-1]])
+            tail.append((size, floor))
+        return CostCurve(tuple(seconds), tuple(tail))
 
 
 def machine_key() -> str:

@@ -87,7 +87,7 @@ class Engine:
 
     @property
     def costs(self) -> CostCurve | None:
-        """The verify cost curve, as lowered by the forwards seen so far."""
+        """The verify cost curve, as the forwards seen so far have priced it."""
         return self.planner.costs
 
     # --- admission -------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 of its nodes are verified, copy or model in `hybrid`, what catching up costs, and what size a request gets.
 
 The unit is tokens per second. A verify forward over m rows costs C(m) (budget.CostCurve, measured once per
-machine and lowered as the engine sees faster forwards). A drafter scores each node with its estimate that the
+machine, then each size's median time in use: budget.InUseCurve). A drafter scores each node with its estimate that the
 target accepts it; keeping the best n nodes of a draft is expected to emit 1 + (sum of their scores) tokens (the
 expected accepted length of a tree is the sum over its nodes of P(node accepted), plus the target's own token)
 for what drafting took plus C(rows + n). In a batch the other requests' rows share the forward: a node costs what
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specdecode.budget import CostCurve
+from specdecode.budget import CostCurve, InUseCurve
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 
@@ -168,6 +168,7 @@ class Planner:
     def __init__(self, costs: CostCurve | None) -> None:
         """`costs`: the target's verify cost curve (None: only fixed draft sizes can run)."""
         self.costs = costs
+        self.in_use = InUseCurve(costs) if costs is not None else None
         self.outlook: dict[Sequence, Outlook] = {}
         self.prior = Outlook()  # engine-wide running estimates, over every request so far
         self.prior_gain = PRIOR_GAIN  # accepted tokens per drafted step, engine-wide
@@ -249,8 +250,8 @@ class Planner:
 
     def observe(self, rows: int, seconds: float) -> None:
         """A target forward over `rows` rows took `seconds` (CPU only: CUDA runs ahead of the clock)."""
-        if self.costs is not None:
-            self.costs = self.costs.observe(rows, seconds)
+        if self.in_use is not None:
+            self.costs = self.in_use.observe(rows, seconds)
 
     def learn(self, seq: Sequence, step: Step) -> None:
         """After `seq`'s verify: its drafting time, its nodes and what was accepted update the estimates."""

@@ -1,11 +1,11 @@
-"""The verify cost curve: measured, cached, extrapolated, lowered by what the engine sees."""
+"""The verify cost curve: measured, cached, extrapolated, then priced by what the engine sees in use."""
 
 import json
 
 import pytest
 
 from specdecode import budget
-from specdecode.budget import CostCurve
+from specdecode.budget import CostCurve, InUseCurve
 from tiny import tiny_native
 
 
@@ -16,13 +16,40 @@ def test_curve_extrapolates_and_reports_ratios():
     assert curve.to_dict()["ratio_to_one_token"] == [1.0, 1.5, 2.0]
 
 
-def test_observed_times_only_lower_the_curve_and_keep_it_monotone():
-    curve = CostCurve((3.0, 3.1, 3.5, 4.0))  # measured in a slow spell
-    assert curve.observe(2, 5.0) is curve  # slower than measured: a busy moment, not the machine
-    faster = curve.observe(3, 2.8)  # 0.8x measured: the sizes above follow, the ones below are capped
-    assert faster.seconds == pytest.approx((2.8, 2.8, 2.8, 3.2))
-    assert faster.observe(1, 2.0).seconds == pytest.approx((2.0, 2.0, 2.0, 2.0 / 2.8 * 3.2))
-    assert curve.observe(30, 0.1) is curve  # beyond the measured sizes: extrapolated, not observed
+def test_in_use_medians_replace_the_measured_sizes_and_scale_the_rest():
+    measured = CostCurve((3.0, 3.1, 3.5, 4.0), tail=((8, 6.0),))  # measured in a quiet moment
+    in_use = InUseCurve(measured, window=5, min_times=3)
+    assert in_use.observe(2, 5.0) is measured and in_use.observe(2, 4.0) is measured  # too few times yet
+    curve = in_use.observe(2, 4.5)
+    assert curve.seconds[1] == 4.5  # the median of 5.0, 4.0, 4.5
+    scale = 4.5 / 3.1  # the other sizes follow the machine's speed now
+    assert curve.seconds == pytest.approx((3.0 * scale, 4.5, 3.5 * scale, 4.0 * scale))
+    assert curve.tail[0][0] == 8 and curve.tail[0][1] == pytest.approx(6.0 * scale)
+    for seconds in (1.0, 9.0, 9.0):  # one lucky forward moves no median
+        curve = in_use.observe(4, seconds)
+    assert curve.seconds[3] == 9.0  # two sizes known now: the others scale by the median of their ratios
+    assert curve.seconds[2] == pytest.approx(3.5 * (4.5 / 3.1 + 9.0 / 4.0) / 2)
+    assert in_use.observe(30, 0.1) is curve and in_use.observe(1, float("nan")) is curve  # not kept
+
+
+def test_in_use_curve_never_prices_more_rows_below_fewer():
+    in_use = InUseCurve(CostCurve((1.0, 1.2, 1.4, 1.6)), window=4, min_times=1)
+    in_use.observe(2, 2.0)
+    curve = in_use.observe(3, 1.5)  # a noisy median below its smaller neighbour
+    assert list(curve.seconds) == sorted(curve.seconds) and curve.seconds[2] == 2.0
+    window = InUseCurve(CostCurve((1.0, 2.0)), window=3, min_times=1)
+    for seconds in (5.0, 5.0, 5.0, 1.0, 1.0):  # the window forgets: the machine got faster
+        curve = window.observe(1, seconds)
+    assert curve.seconds[0] == 1.0
+
+
+def test_sizes_never_timed_follow_their_nearest_timed_neighbours():
+    in_use = InUseCurve(CostCurve((1.0, 1.1, 1.2, 2.0, 2.2)), min_times=1)
+    in_use.observe(2, 1.1)  # as measured
+    curve = in_use.observe(4, 4.0)  # twice the measured time
+    # one row (never timed: every step drafted) follows two rows, not the dearer end of the curve
+    assert curve.seconds[0] == pytest.approx(1.0) and curve.seconds[4] == pytest.approx(4.4)
+    assert curve.seconds[2] == pytest.approx(1.2 * 1.5)  # halfway between the ratios of 2 and 4 rows
 
 
 def test_measure_is_monotone_and_cached(tmp_path, monkeypatch):
@@ -53,5 +80,7 @@ def test_batch_sizes_beyond_the_measured_run_interpolate_between_measured_points
     assert curve.cost(3) == 1.2 and curve.cost(8) == 2.0
     assert curve.cost(12) == pytest.approx(3.5)  # halfway between 8 and 16
     assert curve.cost(24) == pytest.approx(8.0)  # past the last point: its slope
-    assert curve.observe(2, 0.55).tail == ((8, 1.0), (16, 2.5))  # half as dear: so are the batches
+    in_use = InUseCurve(curve, min_times=1)
+    tail = in_use.observe(2, 0.55).tail  # half as dear: so are the batches
+    assert [m for m, _ in tail] == [8, 16] and [s for _, s in tail] == pytest.approx([1.0, 2.5])
     assert curve.to_dict()["batch_sizes"] == [[8, 2.0], [16, 5.0]]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdecode.budget import CostCurve
+from specdecode.budget import CostCurve, InUseCurve
 from specdecode.config import SamplingParams
 from specdecode.planner import FIXED, SEEDED_NUM_DRAFT_TOKENS, Planner, Record, StepPlan, best_count
 
@@ -11,10 +11,22 @@ def test_fast_one_token_forwards_do_not_talk_the_chooser_out_of_drafting():
     curve = CostCurve((1.0, 1.2, 1.4, 1.6))
     scores = [0.5, 0.3]
     assert best_count(curve, scores) == 2
-    for seconds in (0.9, 0.8, 0.7, 0.6):  # ever faster undrafted steps, as a machine's quiet spells give
-        curve = curve.observe(1, seconds)
+    in_use = InUseCurve(curve)
+    for seconds in (0.9, 0.8, 0.7, 0.6, 0.6, 0.6):  # ever faster undrafted steps, as a machine's quiet spells give
+        curve = in_use.observe(1, seconds)
     assert curve.ratios() == pytest.approx([1.0, 1.2, 1.4, 1.6])  # the measured shape is kept
     assert best_count(curve, scores) == 2
+
+
+def test_verify_forwards_dearer_in_use_than_measured_shrink_the_draft():
+    measured = CostCurve((1.0, 1.05, 1.1, 1.15))  # a quiet moment's curve: nodes look nearly free
+    scores = [0.5, 0.3, 0.2]
+    assert best_count(measured, scores) == 3
+    in_use = InUseCurve(measured)
+    for _ in range(4):  # in use, every extra row costs 0.4 of a forward
+        for m, seconds in ((1, 1.0), (2, 1.4), (3, 1.8), (4, 2.2)):
+            curve = in_use.observe(m, seconds)
+    assert best_count(curve, scores) == 1
 
 
 def test_best_count_trades_expected_tokens_against_cost():

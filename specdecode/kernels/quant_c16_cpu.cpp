@@ -161,6 +161,8 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+constexpr int kJointRows = 0;  // one vector holds all 16 channels: nothing to join
+
 template <int BITS, int G, int TILE>
 void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
   constexpr int nsub = 256 / G, chunks = G / 4;
@@ -278,12 +280,31 @@ inline __m256 load_f16x8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-template <int BITS, int G, int TILE>
-void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
+// The codes of chunk j for 8 channels (bytes 32 h .. 32 h + 31 of each vector: h is folded into lo_u and hi_u).
+template <int BITS>
+inline __m256i chunk_codes(const uint8_t* lo_u, const uint8_t* hi_u, int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo_u + (j / 2) * 64));
+  __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, low4);
+  if constexpr (BITS > 4) {
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi_u + (j / 4) * 64));
+    const int f = j % 4;
+    const __m256i moved = f == 0 ? _mm256_slli_epi16(high, 4) : f == 1 ? _mm256_slli_epi16(high, 2)
+                          : f == 2 ? high : _mm256_srli_epi16(high, 2);
+    codes = _mm256_or_si256(codes, _mm256_and_si256(moved, bits45));
+  }
+  return codes;
+}
+
+// HALVES: the 8-channel halves one pass over a superblock's codes works on. Zen 3 broadcasts at most ~1.7
+// activation words a cycle beside its two vpmaddubsw, and the broadcast, the product and the running add make
+// three vector operations a row and chunk: with both halves in one pass each broadcast feeds two products. That
+// needs 2 x TILE running sums, so it runs up to 4 rows (16 registers); one half a pass runs up to 8.
+template <int BITS, int G, int TILE, int HALVES>
+void tile_pass(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
   constexpr int nsub = 256 / G, chunks = G / 4;
   constexpr int kRun = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;  // chunks whose int16 pair sums cannot overflow
   static_assert(chunks % kRun == 0, "a sub-block is a whole number of runs");
-  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   const int8_t* rows[TILE];
   const int32_t* row_pairs[TILE];
   for (int t = 0; t < TILE; ++t) rows[t] = a.q + (m0 + t) * a.K, row_pairs[t] = a.pairs + (m0 + t) * (a.K / G / 2);
@@ -296,70 +317,91 @@ void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y
     const uint8_t* hi = BITS > 4 ? w.hi + at * 16 * 64 : nullptr;
     const int8_t* sc = w.sc + at * nsub * 16;
     if (m0 == 0) prefetch_scales<BITS, nsub>(w, at + kAhead);
-    for (int h = 0; h < 2; ++h) {  // channels 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of every vector
-      __m256i isum[TILE];
-      for (int t = 0; t < TILE; ++t) isum[t] = _mm256_setzero_si256();
+    for (int h0 = 0; h0 < 2; h0 += HALVES) {  // channels 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of every vector
+      __m256i isum[HALVES][TILE];
+      for (int e = 0; e < HALVES; ++e)
+        for (int t = 0; t < TILE; ++t) isum[e][t] = _mm256_setzero_si256();
       if constexpr (BITS == 6) {  // the offset of 32, as in the AVX-512 tile: -32 x sum of scale[u] codes_sum[u]
-        for (int p = 0; p < nsub / 2; ++p) {
-          const __m256i scales = pairs_of(sc + (2 * p) * 16 + 8 * h, sc + (2 * p + 1) * 16 + 8 * h);
-          for (int t = 0; t < TILE; ++t)
-            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(scales, _mm256_set1_epi32(row_pairs[t][sb * (nsub / 2) + p])));
+        for (int e = 0; e < HALVES; ++e) {
+          const int h = h0 + e;
+          for (int p = 0; p < nsub / 2; ++p) {
+            const __m256i scales = pairs_of(sc + (2 * p) * 16 + 8 * h, sc + (2 * p + 1) * 16 + 8 * h);
+            for (int t = 0; t < TILE; ++t)
+              isum[e][t] = _mm256_add_epi32(isum[e][t], _mm256_madd_epi16(scales, _mm256_set1_epi32(row_pairs[t][sb * (nsub / 2) + p])));
+          }
+          for (int t = 0; t < TILE; ++t) isum[e][t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(isum[e][t], 5));
         }
-        for (int t = 0; t < TILE; ++t) isum[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(isum[t], 5));
       }
       for (int u = 0; u < nsub; ++u) {
-        const uint8_t* lo_u = lo + static_cast<size_t>(u) * (chunks / 2) * 64 + 32 * h;
-        const uint8_t* hi_u = BITS > 4 ? hi + static_cast<size_t>(u) * (chunks / 4) * 64 + 32 * h : nullptr;
+        const uint8_t* lo_u = lo + static_cast<size_t>(u) * (chunks / 2) * 64 + 32 * h0;
+        const uint8_t* hi_u = BITS > 4 ? hi + static_cast<size_t>(u) * (chunks / 4) * 64 + 32 * h0 : nullptr;
         const size_t col = static_cast<size_t>(sb) * 256 + static_cast<size_t>(u) * G;
-        const __m256i scale = pairs_of(sc + u * 16 + 8 * h);
-        if (m0 == 0 && h == 0) prefetch_codes<BITS, nsub>(w, at + kAhead, u);
-        __m256i part[TILE];
+        if (m0 == 0 && h0 == 0) prefetch_codes<BITS, nsub>(w, at + kAhead, u);
+        __m256i part[HALVES][TILE];
 #pragma GCC unroll 16
         for (int j = 0; j < chunks; ++j) {
-          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo_u + (j / 2) * 64));
-          __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, low4);
-          if constexpr (BITS > 4) {
-            const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi_u + (j / 4) * 64));
-            const int f = j % 4;
-            const __m256i moved = f == 0 ? _mm256_slli_epi16(high, 4) : f == 1 ? _mm256_slli_epi16(high, 2)
-                                  : f == 2 ? high : _mm256_srli_epi16(high, 2);
-            codes = _mm256_or_si256(codes, _mm256_and_si256(moved, bits45));
-          }
+          __m256i codes[HALVES];
+          for (int e = 0; e < HALVES; ++e) codes[e] = chunk_codes<BITS>(lo_u + 32 * e, BITS > 4 ? hi_u + 32 * e : nullptr, j);
 #pragma GCC unroll 16
           for (int t = 0; t < TILE; ++t) {
-            const __m256i p = _mm256_maddubs_epi16(codes, specdecode::broadcast4(rows[t] + col + 4 * j));
-            part[t] = j % kRun == 0 ? p : _mm256_add_epi16(part[t], p);
-            specdecode::pin(part[t]);
+            const __m256i act = specdecode::broadcast4(rows[t] + col + 4 * j);
+            for (int e = 0; e < HALVES; ++e) {
+              const __m256i p = _mm256_maddubs_epi16(codes[e], act);
+              part[e][t] = j % kRun == 0 ? p : _mm256_add_epi16(part[e][t], p);
+              specdecode::pin(part[e][t]);
+            }
           }
           if (j % kRun == kRun - 1)
-            for (int t = 0; t < TILE; ++t) isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(part[t], scale));
+            for (int e = 0; e < HALVES; ++e) {
+              const __m256i scale = pairs_of(sc + u * 16 + 8 * (h0 + e));
+              for (int t = 0; t < TILE; ++t) isum[e][t] = _mm256_add_epi32(isum[e][t], _mm256_madd_epi16(part[e][t], scale));
+            }
         }
       }
-      const __m256 d = load_f16x8(w.d + at * 16 + 8 * h);
-      if constexpr (BITS == 6) {
-        for (int t = 0; t < TILE; ++t)
-          acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]),
-                                      _mm256_mul_ps(d, _mm256_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb])), acc[h][t]);
-        continue;
-      }
-      __m256i imin[TILE];
-      for (int t = 0; t < TILE; ++t) imin[t] = _mm256_setzero_si256();
-      for (int p = 0; p < nsub / 2; ++p) {  // mins of sub-blocks 2 p, 2 p + 1, paired per channel as stored
-        const __m256i mins = _mm256_cvtepi8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + (at * (nsub / 2) + p) * 32 + 16 * h)));
-        for (int t = 0; t < TILE; ++t)
-          imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mins, _mm256_set1_epi32(row_pairs[t][sb * (nsub / 2) + p])));
-      }
-      const __m256 dmin = load_f16x8(w.dmin + at * 16 + 8 * h);
-      for (int t = 0; t < TILE; ++t) {
-        const __m256 xd = _mm256_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb]);
-        acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, xd), acc[h][t]);
-        acc[h][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[t]), _mm256_mul_ps(dmin, xd), acc[h][t]);
+      for (int e = 0; e < HALVES; ++e) {
+        const int h = h0 + e;
+        const __m256 d = load_f16x8(w.d + at * 16 + 8 * h);
+        if constexpr (BITS == 6) {
+          for (int t = 0; t < TILE; ++t)
+            acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[e][t]),
+                                        _mm256_mul_ps(d, _mm256_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb])), acc[h][t]);
+          continue;
+        }
+        __m256i imin[TILE];
+        for (int t = 0; t < TILE; ++t) imin[t] = _mm256_setzero_si256();
+        for (int p = 0; p < nsub / 2; ++p) {  // mins of sub-blocks 2 p, 2 p + 1, paired per channel as stored
+          const __m256i mins = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + (at * (nsub / 2) + p) * 32 + 16 * h)));
+          for (int t = 0; t < TILE; ++t)
+            imin[t] = _mm256_add_epi32(imin[t], _mm256_madd_epi16(mins, _mm256_set1_epi32(row_pairs[t][sb * (nsub / 2) + p])));
+        }
+        const __m256 dmin = load_f16x8(w.dmin + at * 16 + 8 * h);
+        for (int t = 0; t < TILE; ++t) {
+          const __m256 xd = _mm256_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb]);
+          acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[e][t]), _mm256_mul_ps(d, xd), acc[h][t]);
+          acc[h][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[t]), _mm256_mul_ps(dmin, xd), acc[h][t]);
+        }
       }
     }
   }
   for (int t = 0; t < TILE; ++t)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + t) * N + cg * 16 + 8 * h, acc[h][t]);
+}
+
+template <int BITS, int G, int TILE>
+void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
+  tile_pass<BITS, G, TILE, 1>(a, w, cg, m0, y, N);
+}
+
+// Forwards of at most this many rows run both halves in one pass (Q4_K, Q5_K). Measured on Zen 3, one thread,
+// row-chunks per ns, one half a pass -> both: Q4_K 2 rows 1.8-2.1 -> 2.1-2.5, 4 rows 2.6 -> 3.1, 8 rows (4 + 4)
+// 3.0 -> 3.1, 5-7 rows lose (4 + a remainder); Q5_K 2-4 rows +5-14%; Q6_K (more unpacking per code) loses at 1
+// row and gains nothing at 4, so it keeps one half a pass.
+constexpr int kJointRows = 4;
+
+template <int BITS, int G, int TILE>
+void joint_tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
+  tile_pass<BITS, G, TILE, 2>(a, w, cg, m0, y, N);
 }
 #endif
 
@@ -368,6 +410,15 @@ using TileFn = void (*)(const C16Acts&, const C16Weight&, int64_t, int64_t, floa
 template <int BITS, int G, int... T>
 std::vector<TileFn> tiles(std::integer_sequence<int, T...>) {
   return {&tile<BITS, G, T + 1>...};
+}
+
+template <int BITS, int G, int... T>
+std::vector<TileFn> joint_tiles(std::integer_sequence<int, T...>) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return {};
+#else
+  return {&joint_tile<BITS, G, T + 1>...};
+#endif
 }
 
 // x [M, K] -> int8 codes per 256 (as quant_cpu.cpp, the same rounding) and int16 sums per sub-block, in pairs.
@@ -398,7 +449,11 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
   static const std::vector<TileFn> q4 = tiles<4, 32>(std::make_integer_sequence<int, kTile>{});
   static const std::vector<TileFn> q5 = tiles<5, 32>(std::make_integer_sequence<int, kTile>{});
   static const std::vector<TileFn> q6 = tiles<6, 16>(std::make_integer_sequence<int, kTile>{});
-  const std::vector<TileFn>& fns = bits == 4 ? q4 : bits == 5 ? q5 : q6;
+  static const std::vector<TileFn> q4_joint = joint_tiles<4, 32>(std::make_integer_sequence<int, kJointRows>{});
+  static const std::vector<TileFn> q5_joint = joint_tiles<5, 32>(std::make_integer_sequence<int, kJointRows>{});
+  const bool joint = bits != 6 && M <= kJointRows;
+  const std::vector<TileFn>& fns = joint ? (bits == 4 ? q4_joint : q5_joint) : bits == 4 ? q4 : bits == 5 ? q5 : q6;
+  const int64_t max_rows = joint ? kJointRows : kTile;
   TORCH_CHECK((bits == 6) == (G == 16) && bits >= 4 && bits <= 6, "no kernel for bits=", bits, " G=", G);
   TORCH_CHECK(!bias.numel() || bias.numel() == N, "bias must have one value per output");
   // the activations of this input in this format: quantized once for every layer of a group that reads it
@@ -421,7 +476,7 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
   LinearWork work;
   work.units = ng;
   // the tensors behind `a` and `w` are held by the caller (the activations by `acts`) until the work is done
-  work.run = [a, w, fns = &fns, M, N, yp, bp, bits](int64_t first, int64_t last) {
+  work.run = [a, w, fns = &fns, M, N, yp, bp, bits, max_rows](int64_t first, int64_t last) {
     // The first superblocks of this thread's share, asked for at once (the tiles prefetch kAhead ahead of
     // themselves): a small layer would otherwise start each share at the memory's latency.
     for (int64_t at = first * w.nsb; at < std::min(last * w.nsb, first * w.nsb + kAhead); ++at) {
@@ -431,7 +486,7 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
       prefetch_nta(w.sc + at * (bits == 6 ? 16 : 8) * 16);
       prefetch_nta(w.d + at * 16);
     }
-    run_channel_groups(first, last, M, N, kTile, yp, bp,
+    run_channel_groups(first, last, M, N, max_rows, yp, bp,
                        [&](int64_t cg, int64_t m, int64_t rows) { (*fns)[rows - 1](a, w, cg, m, yp, N); });
   };
   work.done = [y] { return y; };

@@ -100,9 +100,8 @@ SPECDECODE_PREFETCHES void prefetch_block(const Weight& w, int64_t at) {
   if constexpr (OFF == 0) prefetch_nta(w.dmin + at * 16);
 }
 
-constexpr int kTile = 8;  // activation rows per pass, as in quant_c16_cpu.cpp
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int kTile = 8;  // activation rows per pass, as in quant_c16_cpu.cpp
 
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -156,6 +155,8 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
 }
 
 #else
+constexpr int kTile = 4;  // both halves' running sums of 4 rows fill the 16 registers (the tile below)
+
 // AVX2: two 8-channel halves of each vector, vpmaddubsw's int16 pair sums added over kRun chunks (they cannot
 // overflow) and widened by one vpmaddwd, as quant_c16_cpu.cpp's AVX2 tile does. Q8_0 multiplies |code| by the
 // activation with the code's sign (vpmaddubsw's first operand is unsigned), the sum of code x activation that the
@@ -173,6 +174,11 @@ inline __m256i chunk_codes_half(const Weight& w, int64_t at, int j, int h) {
   return codes;
 }
 
+// Both 8-channel halves in one pass over a block: each activation broadcast feeds two products (quant_c16_cpu.cpp's
+// tile_pass says why that pays on Zen 3), with 2 x TILE running sums in 16 registers, so up to 4 rows a pass.
+// Measured on Zen 3, one thread, row-chunks per ns, one half a pass -> both: Q5_0 1 row 0.55-0.59 -> 0.72-0.82,
+// 4 rows 1.0-1.1 -> 1.7-1.8, 8 rows (one pass -> 4 + 4) 1.1-1.2 -> 1.7; Q8_0 0.65 -> 0.75, 0.7 -> 1.2, 0.9 -> 1.1-1.3;
+// Q4_0 and Q4_1 the same at 1 row and 1.5-1.9x at 2-8.
 template <int BITS, int OFF, int TILE>
 void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
   constexpr int kRun = BITS == 4 ? 8 : BITS == 5 ? 4 : 1;  // chunks whose int16 pair sums cannot overflow
@@ -183,33 +189,38 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
   for (int64_t b = 0; b < w.nb; ++b) {
     const int64_t at = cg * w.nb + b;
     if (m0 == 0) prefetch_block<BITS, OFF>(w, at + kAhead);
-    for (int h = 0; h < 2; ++h) {
-      __m256i isum[TILE], part[TILE];
-      for (int t = 0; t < TILE; ++t) isum[t] = _mm256_setzero_si256();
+    __m256i isum[2][TILE], part[2][TILE];
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < TILE; ++t) isum[h][t] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        __m256i codes = chunk_codes_half<BITS>(w, at, j, h);
-        __m256i sign;
+    for (int j = 0; j < 8; ++j) {
+      __m256i codes[2], sign[2];
+      for (int h = 0; h < 2; ++h) {
+        codes[h] = chunk_codes_half<BITS>(w, at, j, h);
         if constexpr (BITS == 8) {  // stored + 128: back to signed, then |code| and its sign
-          sign = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));
-          codes = _mm256_abs_epi8(sign);
+          sign[h] = _mm256_xor_si256(codes[h], _mm256_set1_epi8(static_cast<char>(0x80)));
+          codes[h] = _mm256_abs_epi8(sign[h]);
         }
-        for (int t = 0; t < TILE; ++t) {
-          __m256i x = specdecode::broadcast4(a.q + (m0 + t) * a.K + b * 32 + 4 * j);
-          if constexpr (BITS == 8) x = _mm256_sign_epi8(x, sign);
-          const __m256i p = _mm256_maddubs_epi16(codes, x);
-          part[t] = j % kRun == 0 ? p : _mm256_add_epi16(part[t], p);
-          specdecode::pin(part[t]);
-        }
-        if (j % kRun == kRun - 1)
-          for (int t = 0; t < TILE; ++t) isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(part[t], ones));
       }
+      for (int t = 0; t < TILE; ++t) {
+        const __m256i x = specdecode::broadcast4(a.q + (m0 + t) * a.K + b * 32 + 4 * j);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i p = _mm256_maddubs_epi16(codes[h], BITS == 8 ? _mm256_sign_epi8(x, sign[h]) : x);
+          part[h][t] = j % kRun == 0 ? p : _mm256_add_epi16(part[h][t], p);
+          specdecode::pin(part[h][t]);
+        }
+      }
+      if (j % kRun == kRun - 1)
+        for (int h = 0; h < 2; ++h)
+          for (int t = 0; t < TILE; ++t) isum[h][t] = _mm256_add_epi32(isum[h][t], _mm256_madd_epi16(part[h][t], ones));
+    }
+    for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + at * 16 + 8 * h)));
       __m256 dmin;
       if constexpr (OFF == 0) dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dmin + at * 16 + 8 * h)));
       for (int t = 0; t < TILE; ++t) {
         const int64_t blk = (m0 + t) * (a.K / 32) + b;
-        __m256i s = isum[t];
+        __m256i s = isum[h][t];
         if constexpr (OFF > 0 && BITS != 8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(OFF * a.sum[blk]));
         const __m256 xd = _mm256_set1_ps(a.xd[blk]);
         acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, xd), acc[h][t]);
