@@ -2,10 +2,10 @@
 of its nodes are verified, copy or model in `hybrid`, what catching up costs, and what size a request gets.
 
 The unit is tokens per second. A verify forward over m rows costs C(m) (budget.CostCurve, measured once per
-machine, then each size's median time in use: budget.InUseCurve). A drafter scores each node with its estimate that the
-target accepts it; keeping the best n nodes of a draft is expected to emit 1 + (sum of their scores) tokens (the
-expected accepted length of a tree is the sum over its nodes of P(node accepted), plus the target's own token)
-for what drafting took plus C(rows + n). In a batch the other requests' rows share the forward: a node costs what
+machine, then each size's median time in use: budget.InUseCurve). A drafter scores each node with its estimate
+that the target accepts it; keeping the best n nodes of a draft is expected to emit 1 + (sum of their scores)
+tokens (the expected accepted length of a tree is the sum over its nodes of P(node accepted), plus the target's
+own token) for what drafting took plus C(rows + n). In a batch the other requests' rows share the forward: a node costs what
 it adds at that size. "No draft this step" is one of the answers: a request whose drafting is not expected to pay
 decodes plainly, and tries again now and then.
 
