@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,8 @@ BATCH_SIZES = (32, 64, 128)
 class CostCurve:
     seconds: tuple[float, ...]  # [m - 1]: one target forward over m tokens (after a short cached prefix)
     tail: tuple[tuple[int, float], ...] = ()  # (m, seconds) for batch-sized forwards, m ascending
+    # the cache file it came from: the curve priced in use is written back there for the next process
+    source: Path | None = field(default=None, compare=False, repr=False)
 
     def cost(self, m: int) -> float:
         if m <= len(self.seconds):
@@ -60,6 +62,7 @@ class CostCurve:
 
 IN_USE_WINDOW = 24  # a size's most recent in-use times whose median stands for it
 IN_USE_MIN = 4  # in-use times a size needs before its median replaces the measured value
+SAVE_EVERY = 32  # median updates between write-backs of the in-use curve (and whenever a size is first priced)
 
 
 class InUseCurve:
@@ -76,6 +79,7 @@ class InUseCurve:
         self.times: dict[int, deque[float]] = {}
         self.medians: dict[int, float] = {}  # sizes with at least min_times in-use times
         self.curve = measured
+        self.updates = 0  # median updates since the last write-back
 
     def observe(self, m: int, seconds: float) -> CostCurve:
         """The curve after a forward over m rows took `seconds` (sizes past the measured run: scaled, not kept)."""
@@ -84,8 +88,14 @@ class InUseCurve:
         times = self.times.setdefault(m, deque(maxlen=self.window))
         times.append(seconds)
         if len(times) >= self.min_times:
+            first = m not in self.medians
             self.medians[m] = statistics.median(times)
             self.curve = self._curve()
+            self.updates += 1
+            if self.measured.source is not None and (first or self.updates >= SAVE_EVERY):
+                # the next process starts from what this one saw, not from one quiet (or busy) measurement
+                save(self.measured.source, self.curve)
+                self.updates = 0
         return self.curve
 
     def _curve(self) -> CostCurve:
@@ -174,7 +184,8 @@ def valid(seconds: tuple[float, ...], tail: tuple[tuple[int, float], ...]) -> bo
 
 
 def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None = None) -> CostCurve:
-    """The cached curve for this model on this machine, measured (and saved) on first use."""
+    """The cached curve for this model on this machine, measured (and saved) on first use; the engine writes its
+    in-use prices back to the same file (InUseCurve)."""
     path = curve_path(model_key, cache)
     if path.exists():
         try:
@@ -182,15 +193,30 @@ def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None 
             seconds = tuple(float(x) for x in saved["seconds"])
             tail = tuple((int(m), float(s)) for m, s in saved["batch_sizes"])
             if valid(seconds, tail):
-                return CostCurve(seconds, tail)
+                return CostCurve(seconds, tail, source=path)
         except (ValueError, KeyError, TypeError):
             pass  # a damaged file is measured again
     print("specdecode: measuring what a verify forward costs on this machine (once, a few seconds)...",
           file=sys.stderr)
     curve = measure(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Written whole under a name no other process or thread uses, then renamed: readers never see half a file.
-    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps({"model": model_key, "machine": machine_key()[:200], **curve.to_dict()}))
-    tmp.replace(path)
-    return curve
+    save(path, curve, {"model": model_key, "machine": machine_key()[:200]})
+    return CostCurve(curve.seconds, curve.tail, source=path)
+
+
+def save(path: Path, curve: CostCurve, label: dict | None = None) -> None:
+    """Write `curve` to `path` (with `label`, else the file's own model and machine lines). Written whole under a
+    name no other process or thread uses, then renamed: readers never see half a file. A cache that cannot be
+    written costs nothing but the next process's start from the older curve."""
+    try:
+        if label is None:
+            try:
+                old = json.loads(path.read_text())
+                label = {k: old[k] for k in ("model", "machine") if k in old}
+            except (OSError, ValueError, TypeError):
+                label = {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps({**label, **curve.to_dict()}))
+        tmp.replace(path)
+    except OSError:
+        pass

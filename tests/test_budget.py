@@ -75,6 +75,24 @@ def test_measure_is_monotone_and_cached(tmp_path, monkeypatch):
         measured += 1
 
 
+def test_the_curve_priced_in_use_is_written_back_for_the_next_process(tmp_path, monkeypatch):
+    model = tiny_native("qwen2", seed=0)
+    monkeypatch.setattr(budget, "measure", lambda target: CostCurve((1.0, 1.1, 1.2, 1.3)))
+    first = budget.load_or_measure(model, "tiny", cache=tmp_path)
+    path = budget.curve_path("tiny", tmp_path)
+    assert first.source == path
+    in_use = InUseCurve(first, min_times=2)
+    in_use.observe(2, 2.2)
+    assert budget.load_or_measure(model, "tiny", cache=tmp_path) == first  # nothing priced yet
+    in_use.observe(2, 2.2)  # two rows priced: twice the measured time, and the sizes around them with it
+    again = budget.load_or_measure(model, "tiny", cache=tmp_path)
+    assert again.seconds == pytest.approx((2.0, 2.2, 2.4, 2.6)) and again.source == path
+    assert json.loads(path.read_text())["model"] == "tiny"  # the file still says what it is for
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    budget.save(blocked / "curve.json", again)  # a cache that cannot be written: no error, nothing lost
+
+
 def test_batch_sizes_beyond_the_measured_run_interpolate_between_measured_points():
     curve = CostCurve((1.0, 1.1, 1.2), tail=((8, 2.0), (16, 5.0)))
     assert curve.cost(3) == 1.2 and curve.cost(8) == 2.0
