@@ -66,6 +66,8 @@ def main() -> int:
     p.add_argument("--edits", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false")
+    p.add_argument("--systems", default=None, help="a comma-separated subset of: llama.cpp, none, hybrid, "
+                   "none + prediction, hybrid + prediction (default: all; none is always run, as the baseline)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -88,21 +90,29 @@ def main() -> int:
             out = decoder.generate(ids[i], params, prediction=edits[i]["prediction"] if prediction else None)
             s = out.stats
             return {"tokens": len(out.token_ids), "seconds": time.perf_counter() - began, "ids": out.token_ids,
-                    "forwards": s.target_forwards, "accepted_prediction": s.accepted_prediction_tokens,
+                    "ttft": s.ttft_s, "forwards": s.target_forwards,
+                    "accepted_prediction": s.accepted_prediction_tokens,
                     "mean_accepted_length": s.mean_accepted_length}
         return run
 
     systems = {"none": ours(none, False), "hybrid": ours(hybrid, False), "none + prediction": ours(none, True),
                "hybrid + prediction": ours(hybrid, True)}
-    if args.llamacpp:
+    if args.llamacpp and (not args.systems or "llama.cpp" in args.systems):
         llama = LlamaCppRunner(resolve_source(args.target), list(none.engine.eos), n_ctx=4096, threads=2)
 
         def plain_llama(i: int) -> dict:
             began = time.perf_counter()
             r = llama.run(ids[i], SamplingParams(max_new_tokens=budgets[i]))
-            return {"tokens": len(r.token_ids), "seconds": time.perf_counter() - began, "ids": r.token_ids}
+            return {"tokens": len(r.token_ids), "seconds": time.perf_counter() - began, "ids": r.token_ids,
+                    "ttft": r.ttft_s}
 
         systems = {"llama.cpp": plain_llama, **systems}
+    if args.systems:
+        chosen = {name.strip() for name in args.systems.split(",")} | {"none"}
+        unknown = chosen - set(systems)
+        if unknown:
+            p.error(f"unknown systems {sorted(unknown)}: choose from {list(systems)}")
+        systems = {name: run for name, run in systems.items() if name in chosen}
     for system in systems.values():  # warm-up: kernels, caches, cost curves
         system(0)
     rows: dict[str, list[list[dict]]] = {s: [[] for _ in edits] for s in systems}
@@ -120,12 +130,16 @@ def main() -> int:
             for s in systems}
     total = {s: sum(x["tokens"] for i in range(len(edits)) for x in rows[s][i])
              / sum(x["seconds"] for i in range(len(edits)) for x in rows[s][i]) for s in systems}
+    # after the first token: what the drafting changes (the prompt's prefill is the same for every system of ours)
+    decode = {s: sum(x["tokens"] - 1 for i in range(len(edits)) for x in rows[s][i])
+              / sum(x["seconds"] - x["ttft"] for i in range(len(edits)) for x in rows[s][i]) for s in systems}
     cpu = machine_info("cpu", sys.argv)["cpu"]
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f in cpu_flags())
     lines = [f"CPU: {cpu} ({flags}); {len(edits)} edits x {args.rounds} rounds, greedy; answers identical across "
              f"our systems: {'yes' if same else 'NO'}", "",
              "| system | tokens/s (all) | vs none | vs llama.cpp | per-edit ratio vs none (median, min-max) "
-             "| mean accepted length | prediction tokens accepted |", "|---|---:|---:|---:|---|---:|---:|"]
+             "| after the first token: tokens/s | vs none | mean accepted length | prediction tokens accepted |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for s in systems:
         per = [a / b for a, b in zip(rate[s], rate["none"])]
         mal = [x.get("mean_accepted_length") for i in range(len(edits)) for x in rows[s][i]]
@@ -133,6 +147,7 @@ def main() -> int:
         lines.append(f"| {s} | {total[s]:.1f} | {total[s] / total['none']:.2f}x | "
                      + (f"{total[s] / total['llama.cpp']:.2f}x" if "llama.cpp" in total else "-")
                      + f" | {statistics.median(per):.2f}x ({min(per):.2f}-{max(per):.2f}) | "
+                     + f"{decode[s]:.1f} | {decode[s] / decode['none']:.2f}x | "
                      + (f"{statistics.mean(mal):.2f}" if mal[0] is not None else "-") + " | "
                      + (f"{statistics.mean(acc):.0f}" if acc[0] is not None and "prediction" in s else "-") + " |")
     table = "\n".join(lines)
@@ -140,7 +155,8 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"edits": [{k: e[k] for k in ("where", "kind")} for e in edits],
-                                               "tokens_per_s": rate, "total": total, "identical": same,
+                                               "tokens_per_s": rate, "total": total, "decode": decode,
+                                               "identical": same,
                                                "table": table}, indent=1) + "\n")
     return 0 if same else 1
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdecode.budget import CostCurve, load_or_measure
+from specdecode.budget import CostCurve, load_cached, load_or_measure
 from specdecode.config import SamplingParams, choice_seed
 from specdecode.drafters import Drafter
 from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB, open_pool
@@ -106,7 +106,10 @@ class SpecDecoder:
             models.suffix_pool = open_pool(suffix_pool_mb, suffix_pool, models.tokenizer)
         drafter = build_drafter(method, models, shape, max_ngram)
         k = num_draft_tokens if how.drafts else 0
-        costs = verify_costs(models.target, target, plan, device) if k is None else None
+        if k is None:
+            costs = verify_costs(models.target, target, plan, device)
+        else:  # a method that never drafts sizes a prediction's copies by the curve if any method measured it here
+            costs = cached_costs(target, plan, device) if k == 0 else None
         return cls(models.target, models.tokenizer, drafter, method, k, max_len, costs)
 
     @property
@@ -242,4 +245,14 @@ def _extend(out: Generation, chunk: TextChunk) -> None:
 
 def verify_costs(model: torch.nn.Module, target: str, plan: LoadPlan, device: str) -> CostCurve:
     """The cost curve of `target` as `plan` loads it on `device`: cached, measured on first use."""
-    return load_or_measure(model, f"{target} | {plan.describe()} | {device}")
+    return load_or_measure(model, curve_key(target, plan, device))
+
+
+def cached_costs(target: str, plan: LoadPlan, device: str) -> CostCurve | None:
+    """The cost curve of `target` as `plan` loads it on `device` if one was measured already, else None."""
+    return load_cached(curve_key(target, plan, device))
+
+
+def curve_key(target: str, plan: LoadPlan, device: str) -> str:
+    """What a verify forward's cost depends on: the target as loaded and the device (not the draft)."""
+    return f"{target} | {plan.describe_target()} | {device}"

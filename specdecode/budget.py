@@ -183,22 +183,30 @@ def valid(seconds: tuple[float, ...], tail: tuple[tuple[int, float], ...]) -> bo
             and all(a <= b for a, b in zip(times, times[1:])) and sizes == sorted(set(sizes)))
 
 
+def load_cached(model_key: str, cache: Path | None = None) -> CostCurve | None:
+    """The cached curve for this model on this machine, or None when there is none (or it is damaged)."""
+    path = curve_path(model_key, cache)
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        seconds = tuple(float(x) for x in saved["seconds"])
+        tail = tuple((int(m), float(s)) for m, s in saved["batch_sizes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a damaged file is measured again
+    return CostCurve(seconds, tail, source=path) if valid(seconds, tail) else None
+
+
 def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None = None) -> CostCurve:
     """The cached curve for this model on this machine, measured (and saved) on first use; the engine writes its
     in-use prices back to the same file (InUseCurve)."""
-    path = curve_path(model_key, cache)
-    if path.exists():
-        try:
-            saved = json.loads(path.read_text())
-            seconds = tuple(float(x) for x in saved["seconds"])
-            tail = tuple((int(m), float(s)) for m, s in saved["batch_sizes"])
-            if valid(seconds, tail):
-                return CostCurve(seconds, tail, source=path)
-        except (ValueError, KeyError, TypeError):
-            pass  # a damaged file is measured again
+    cached = load_cached(model_key, cache)
+    if cached is not None:
+        return cached
     print("specdecode: measuring what a verify forward costs on this machine (once, a few seconds)...",
           file=sys.stderr)
     curve = measure(target)
+    path = curve_path(model_key, cache)
     save(path, curve, {"model": model_key, "machine": machine_key()[:200]})
     return CostCurve(curve.seconds, curve.tail, source=path)
 

@@ -143,8 +143,8 @@ class Engine:
         k = self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
         if prediction is not None:
             drafter = PredictionDrafter(drafter, prediction)
-            if k == 0:  # a method that never drafts still copies the prediction, in drafts of a fixed size
-                k = PREDICTION_DRAFT_TOKENS
+            if k == 0:  # a method that never drafts still copies the prediction: sized by the planner where the
+                k = None if self.costs is not None else PREDICTION_DRAFT_TOKENS  # curve is known, else fixed
         seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos, k, self.target.device)
         seq.stats.verify_costs = self.costs if seq.auto else None
         if (leader is not None and leader in self.reserved and leader.prefilling and leader.tokens == seq.tokens

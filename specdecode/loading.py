@@ -89,9 +89,18 @@ class LoadPlan:
     draft_quantize: str
 
     def describe(self) -> str:
-        target = "as stored" if self.weights == "stored" else self.quantize if self.quantize != "none" else "float"
         draft = "as stored" if self.draft_weights == "stored" else self.draft_quantize
-        return f"target weights {target}, draft weights {draft}, {str(self.dtype).removeprefix('torch.')} activations"
+        return f"target weights {self.target_form()}, draft weights {draft}, {self.activations()} activations"
+
+    def describe_target(self) -> str:
+        """The target as loaded, the draft left out (what a target forward's cost depends on)."""
+        return f"target weights {self.target_form()}, {self.activations()} activations"
+
+    def target_form(self) -> str:
+        return "as stored" if self.weights == "stored" else self.quantize if self.quantize != "none" else "float"
+
+    def activations(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
 
 
 def plan_load(target: str, draft: str | None, dtype: str = "auto", device: str = "cpu", quantize: str = "none",

@@ -58,7 +58,9 @@ def test_measure_is_monotone_and_cached(tmp_path, monkeypatch):
     real = budget.measure
     monkeypatch.setattr(budget, "measure", lambda target: calls.append(1) or real(target, max_tokens=4, prefix=8,
                                                                                      repeats=2))
+    assert budget.load_cached("tiny", cache=tmp_path) is None  # never measured: nothing to read, nothing measured
     first = budget.load_or_measure(model, "tiny", cache=tmp_path)
+    assert budget.load_cached("tiny", cache=tmp_path) == first
     assert len(first.seconds) == 4 and list(first.seconds) == sorted(first.seconds) and first.seconds[0] > 0
     again = budget.load_or_measure(model, "tiny", cache=tmp_path)
     assert again == first and len(calls) == 1  # read back, not measured twice
@@ -66,6 +68,7 @@ def test_measure_is_monotone_and_cached(tmp_path, monkeypatch):
     assert len(calls) == 2  # another key: measured for itself
     path = budget.curve_path("tiny", tmp_path)
     path.write_text("{damaged")
+    assert budget.load_cached("tiny", cache=tmp_path) is None
     assert len(budget.load_or_measure(model, "tiny", cache=tmp_path).seconds) == 4  # measured again, no crash
     measured = len(calls)
     for seconds in ([0.0, 0.1], [float("nan"), 0.1], [0.2, 0.1], []):  # zero, NaN, cheaper for more rows, empty

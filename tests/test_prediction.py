@@ -10,26 +10,85 @@ from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, 
 from specdecode.drafters.base import DraftContext
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.engine import Engine
+from specdecode.planner import Record, StepPlan
 from specdecode.errors import SpecdecodeError
 from test_batch import CPU_LIKE, draft, needs_kernels, target  # noqa: F401 - the tiny models, fixtures there
 from toy import BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain
 
 
 def proposed(drafter: PredictionDrafter, tokens: list[int], k: int = 4) -> list[int]:
-    return drafter.propose(DraftContext(tokens, SamplingParams(), None), k).tokens.tolist()
+    return drafter.propose(context(tokens), k).tokens.tolist()
 
 
-def test_copies_while_the_output_follows_and_realigns_after_an_edit():
+def context(tokens: list[int]) -> DraftContext:
+    """A step sized by a CPU-like verify cost curve: guesses less likely than an even bet are drafted where they pay."""
+    return DraftContext(tokens, SamplingParams(), None, plan=StepPlan(CPU_LIKE))
+
+
+def test_copies_while_the_output_follows_and_guesses_where_it_comes_back_after_an_edit():
     drafter = PredictionDrafter(NoDrafter(), [10, 11, 12, 13, 14, 15, 16, 17])
     prompt = [1, 2, 3]
     assert proposed(drafter, prompt + [10]) == [11, 12, 13, 14]  # the first token is the prediction's
     drafter.commit([0, 1])  # 11, 12 accepted; the target then said 99 instead of 13: the edit
-    assert proposed(drafter, prompt + [10, 11, 12, 99]) == []  # lost: the method's own drafter (none here)
-    drafter.commit([])
-    assert proposed(drafter, prompt + [10, 11, 12, 99, 13]) == [14, 15, 16, 17]  # back on it after the insertion
-    drafter.commit([0, 1, 2, 3])
+    # 99 was inserted (13 comes next) or replaced 13 (14 comes next): both guessed, one tree, likelier first
+    draft = drafter.propose(context(prompt + [10, 11, 12, 99]), 4)
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+    assert [t for t, p in zip(tokens, parents) if p == -1] == [13, 14]
+    assert tokens[:3] == [13, 14, 15] and parents[:3] == [-1, 0, 1]
+    assert draft.scores[0] > draft.scores[3]  # an insertion is likelier than a replacement
+    drafter.commit([0, 1])  # 13, 14 accepted: the insertion is over
+    assert proposed(drafter, prompt + [10, 11, 12, 99, 13, 14, 15]) == [16, 17]  # back on it
+    drafter.commit([0, 1])
     assert drafter.accepted == 6
     assert proposed(drafter, prompt + [10, 11, 12, 99, 13, 14, 15, 16, 17, 5]) == []  # the prediction is used up
+
+
+def test_a_long_insertion_makes_its_end_a_worse_guess_each_step():
+    drafter = PredictionDrafter(NoDrafter(), [10, 11, 12, 13, 14, 15, 16, 17])
+    output = [1, 10, 11]
+    proposed(drafter, output)
+    drafter.commit([])  # the target said 50, not 12
+    kinds = ("resume", "replace")
+    best, drafted = [max(drafter.rate(kind) for kind in kinds)], []  # the likeliest guess's rate
+    for inserted in range(50, 58):
+        output.append(inserted)
+        guess = proposed(drafter, output, k=2)
+        assert guess[:1] in ([], [12], [13])  # the anchor stays where the output left
+        drafted.append(len(guess))
+        drafter.commit([])
+        best.append(max(drafter.rate(kind) for kind in kinds))
+    assert best == sorted(best, reverse=True) and best[-1] < best[0] / 2
+    assert drafted[0] == 2  # guessed at once (later only where a verify row is that cheap: the planner decides)
+    output.append(12)  # the insertion ended: back on the prediction after its anchor
+    assert proposed(drafter, output) == [13, 14, 15, 16]
+
+
+def test_an_edit_made_once_is_guessed_again_where_its_token_comes_again():
+    """A rename: the prediction's 20 became 20, 99. After the first, 99 is guessed after every 20 of the
+    prediction, beside the prediction as it stands."""
+    drafter = PredictionDrafter(NoDrafter(), [10, 20, 11, 12, 20, 13, 14, 15])
+    assert proposed(drafter, [1, 10]) == [20, 11, 12, 20]
+    drafter.commit([0])  # 20 accepted, then the target said 99
+    assert proposed(drafter, [1, 10, 20, 99])[:1] == [11]  # the insertion is over, likeliest
+    drafter.commit([0, 1])  # 11, 12: back on the prediction; the edit was "99 after 20"
+    draft = drafter.propose(context([1, 10, 20, 99, 11, 12, 20]), 4)
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+    assert tokens[:3] == [99, 13, 14] and parents[:3] == [-1, 0, 1]  # the edit again, then the prediction
+    assert 13 in [t for t, p in zip(tokens, parents) if p == -1] or len(tokens) == 4  # the prediction as it stands
+    before = drafter.accepted
+    drafter.commit([0, 1])  # the edit again (99), then 13
+    assert drafter.accepted == before + 1  # 99 is the edit's, not a prediction token
+    assert proposed(drafter, [1, 10, 20, 99, 11, 12, 20, 99, 13, 14]) == [15]  # on the prediction after it
+
+
+def test_on_the_prediction_its_copy_is_not_weighed_against_a_copying_drafters_record():
+    """hybrid's n-gram may copy the same function from the prompt, with a record far above plain decoding's: the
+    prediction still drafts while the output follows it; off it, the own drafter's record decides."""
+    drafter = PredictionDrafter(NgramDrafter(), [10, 11, 12, 13, 14, 15])
+    drafter.record = Record(8.0, 1.0)  # 8 tokens a second-long step: far above what the guesses are worth
+    assert proposed(drafter, [1, 10]) == [11, 12, 13, 14]
+    drafter.commit([0])
+    assert drafter.propose(context([1, 10, 11, 99]), 4).tokens.tolist() != [12, 13, 14, 15]  # off it: the n-gram
 
 
 def test_a_deletion_in_the_output_realigns_on_the_longest_match():
@@ -63,14 +122,14 @@ def plain(target, prompt, params) -> list[int]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("method", ["none", "ngram", "hybrid"])
+@pytest.mark.parametrize("method", ["none", "none-curve", "ngram", "hybrid"])
 def test_greedy_output_is_plain_decodings_whatever_the_prediction(target, draft, method):
     """A right prediction, an edited one (tokens changed, inserted, dropped) and a wrong one, in one batch and
-    alone, under a drafter that never drafts, a copying one and hybrid: plain decoding's tokens every time, and a
-    right prediction makes most tokens free."""
-    make = {"none": NoDrafter, "ngram": NgramDrafter,
+    alone, under a drafter that never drafts (copies of a fixed size, or sized by a cost curve), a copying one and
+    hybrid: plain decoding's tokens every time, and a right prediction makes most tokens free."""
+    make = {"none": NoDrafter, "none-curve": NoDrafter, "ngram": NgramDrafter,
             "hybrid": lambda: HybridDrafter(DraftModelDrafter(draft, vocab_size=64))}[method]
-    k, costs = (0, None) if method == "none" else (None, CPU_LIKE)
+    k, costs = {"none": (0, None), "none-curve": (0, CPU_LIKE)}.get(method, (None, CPU_LIKE))
     params = SamplingParams(max_new_tokens=40)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     expected = plain(target, prompt, params)
@@ -79,6 +138,7 @@ def test_greedy_output_is_plain_decodings_whatever_the_prediction(target, draft,
     requests = [(prompt, params, p) for p in (expected, edited, wrong)]
     together, seqs = run(Engine(target, make(), k, costs=costs), requests, arrivals=[0, 1, 3])
     assert together == [expected] * 3
+    assert all(seq.auto == (costs is not None) for seq in seqs)  # never drafting, a prediction is sized by the curve
     right = seqs[0].stats
     assert right.prediction_tokens == 40 and right.accepted_prediction_tokens >= 30
     assert right.rejected_prediction_tokens == 40 - right.accepted_prediction_tokens
