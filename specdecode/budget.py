@@ -80,6 +80,7 @@ class InUseCurve:
         self.medians: dict[int, float] = {}  # sizes with at least min_times in-use times
         self.curve = measured
         self.updates = 0  # median updates since the last write-back
+        self.label: dict | None = None  # the cache file's model and machine lines (read at the first write-back)
 
     def observe(self, m: int, seconds: float) -> CostCurve:
         """The curve after a forward over m rows took `seconds` (sizes past the measured run: scaled, not kept)."""
@@ -94,7 +95,9 @@ class InUseCurve:
             self.updates += 1
             if self.measured.source is not None and (first or self.updates >= SAVE_EVERY):
                 # the next process starts from what this one saw, not from one quiet (or busy) measurement
-                save(self.measured.source, self.curve)
+                if self.label is None:  # the file's own model and machine lines, read once
+                    self.label = file_label(self.measured.source)
+                save(self.measured.source, self.curve, self.label)
                 self.updates = 0
         return self.curve
 
@@ -217,14 +220,19 @@ def save(path: Path, curve: CostCurve, label: dict | None = None) -> None:
     written costs nothing but the next process's start from the older curve."""
     try:
         if label is None:
-            try:
-                old = json.loads(path.read_text())
-                label = {k: old[k] for k in ("model", "machine") if k in old}
-            except (OSError, ValueError, TypeError):
-                label = {}
+            label = file_label(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps({**label, **curve.to_dict()}))
         tmp.replace(path)
     except OSError:
         pass
+
+
+def file_label(path: Path) -> dict:
+    """A curve file's model and machine lines ({} when it cannot be read)."""
+    try:
+        old = json.loads(path.read_text())
+        return {k: old[k] for k in ("model", "machine") if k in old}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
