@@ -148,14 +148,15 @@ def test_greedy_output_is_plain_decodings_whatever_the_prediction(target, draft,
         assert alone[0] == expected
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_output_distribution_is_the_targets_with_a_prediction(batched):
+@pytest.mark.parametrize("batched,costs", [(False, None), (True, None), (False, CPU_LIKE)])
+def test_output_distribution_is_the_targets_with_a_prediction(batched, costs):
     """Sampling with a prediction that is sometimes right: the outputs follow the target's exact distribution
-    (chi-by-L1 bound), a request alone and four in a batch."""
+    (chi-by-L1 bound), a request alone and four in a batch; with a cost curve the guesses' trees where the output
+    left the prediction are drafted too."""
     vocab, eos, trials, length = 4, 3, 3000, 3
     chain = random_chain(vocab, 10)
     exact = exact_sequence_probs(chain, start=0, length=length, eos=eos)
-    engine = Engine(BigramModel(chain, eos=(eos,)), NoDrafter(), 0)
+    engine = Engine(BigramModel(chain, eos=(eos,)), NoDrafter(), 0, costs=costs)
     counts: dict[tuple, int] = {}
     for i in range(trials):
         n = 4 if batched else 1
