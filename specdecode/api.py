@@ -26,6 +26,7 @@ from specdecode.engine import Engine, Step
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, load_models, plan_load
 from specdecode.methods import DEFAULT_METHOD, build_drafter, get_method, shape_of, trained_folder
+from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB, PromptCache
 from specdecode.rules.grammar import Constraint, GrammarCompiler
 from specdecode.sequence import TokenLogprob
 from specdecode.stats import GenerationStats
@@ -63,10 +64,12 @@ class Generation:
 
 class SpecDecoder:
     def __init__(self, target: torch.nn.Module, tokenizer, drafter: Drafter, method: str,
-                 num_draft_tokens: int | None, max_len: int = 8192, costs: CostCurve | None = None) -> None:
+                 num_draft_tokens: int | None, max_len: int = 8192, costs: CostCurve | None = None,
+                 prompt_cache_mb: float = DEFAULT_PROMPT_CACHE_MB) -> None:
         self.tokenizer = tokenizer
         self.method = method
-        self.engine = Engine(target, drafter, num_draft_tokens, max_len, costs)
+        self.engine = Engine(target, drafter, num_draft_tokens, max_len, costs,
+                             prompt_cache=PromptCache(prompt_cache_mb) if prompt_cache_mb else None)
         self._home = threading.get_ident()  # the thread that built it: where its models were loaded
         self._grammars: GrammarCompiler | None = None
 
@@ -77,7 +80,7 @@ class SpecDecoder:
              draft_quantize: str = "auto", weights: str = "auto", draft_shape: str | None = None,
              draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None,
              draft_adapter: str | None = None, suffix_pool_mb: float = DEFAULT_POOL_MB,
-             suffix_pool: str | None = None) -> SpecDecoder:
+             suffix_pool: str | None = None, prompt_cache_mb: float = DEFAULT_PROMPT_CACHE_MB) -> SpecDecoder:
         """`weights` = 'auto' runs a GGUF file's quantized blocks as stored on CPU (the model llama.cpp runs),
         'float' de-quantizes it to `dtype`. `quantize` writes a float target in blocks (q8_0, q4_k; the output
         stays exact for that target); `draft_quantize` only changes how good and how cheap the guesses are.
@@ -90,8 +93,11 @@ class SpecDecoder:
         target;
         `draft_adapter` = a LoRA adapter folder (`specdecode train draft`) applied to the draft model.
         `suffix_pool_mb`, `suffix_pool`: the memory of earlier answers suffix decoding copies from, and a file
-        that keeps it across runs."""
+        that keeps it across runs. `prompt_cache_mb`: memory for recent prompts' keys and values, so that a
+        request sharing a prefix with one (a system prompt, the earlier turns of a chat) computes only the rest
+        (0: off)."""
         how = get_method(method)
+        PromptCache(prompt_cache_mb)  # a bad size fails here, before any model loads
         shape = shape_of(method, draft_shape)
         trained = trained_folder(method, draft)
         draft = (draft or DEFAULT_DRAFT) if how.needs_draft_model else None
@@ -110,7 +116,7 @@ class SpecDecoder:
             costs = verify_costs(models.target, target, plan, device)
         else:  # a method that never drafts sizes a prediction's copies by the curve if any method measured it here
             costs = cached_costs(target, plan, device) if k == 0 else None
-        return cls(models.target, models.tokenizer, drafter, method, k, max_len, costs)
+        return cls(models.target, models.tokenizer, drafter, method, k, max_len, costs, prompt_cache_mb)
 
     @property
     def stats(self) -> GenerationStats:

@@ -11,6 +11,7 @@ from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.methods import DEFAULT_METHOD, METHODS, SHAPES
 from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB
+from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB
 from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
 
 
@@ -38,6 +39,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=8192, help="context window to allocate (tokens)")
     p.add_argument("--suffix-pool-mb", type=float, default=DEFAULT_POOL_MB, metavar="MB",
                    help="--method suffix or hybrid: memory for earlier answers they copy from (oldest leave first)")
+    p.add_argument("--prompt-cache-mb", type=float, default=DEFAULT_PROMPT_CACHE_MB, metavar="MB",
+                   help="memory for recent prompts' keys and values: a request that starts like one of them (a system "
+                        "prompt, a chat's earlier turns) computes only the rest (0: off)")
     p.add_argument("--suffix-pool", default=None, metavar="PATH",
                    help="--method suffix or hybrid: keep the earlier answers in this file across runs (read at start, "
                         "written atomically while serving and at exit)")
@@ -94,7 +98,8 @@ def decoder_kwargs(args: argparse.Namespace) -> dict:
                 dtype=args.dtype, device=args.device, max_len=args.max_len, quantize=args.quantize,
                 draft_quantize=args.draft_quantize, weights=args.weights, draft_shape=args.draft_shape,
                 draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,
-                draft_adapter=args.draft_adapter, suffix_pool_mb=args.suffix_pool_mb, suffix_pool=args.suffix_pool)
+                draft_adapter=args.draft_adapter, suffix_pool_mb=args.suffix_pool_mb, suffix_pool=args.suffix_pool,
+                prompt_cache_mb=args.prompt_cache_mb)
 
 
 def load_decoder(args: argparse.Namespace):

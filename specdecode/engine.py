@@ -35,9 +35,10 @@ from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.lockstep import run_batched
 from specdecode.errors import SpecdecodeError
 from specdecode.kv_cache import KVCache, bytes_per_token
-from specdecode.model import Part, prompt_as_decode_rows
+from specdecode.model import Part, prompt_as_decode_rows, rows_exact
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.planner import MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, Planner
+from specdecode.prompt_cache import PromptCache
 from specdecode.sequence import Sequence, Step
 
 __all__ = ["Engine", "Sequence", "Step", "StepInfo", "check_prompt", "kv_budget_tokens"]
@@ -62,10 +63,12 @@ class StepInfo:
 class Engine:
     def __init__(self, target: torch.nn.Module, drafter: Drafter, num_draft_tokens: int | None = 4,
                  max_len: int = 8192, costs: CostCurve | None = None, max_running: int = 16,
-                 kv_budget_tokens: int | None = None) -> None:
+                 kv_budget_tokens: int | None = None, prompt_cache: PromptCache | None = None) -> None:
         """`drafter`: each request drafts with its own `drafter.fork()`. `num_draft_tokens` None = automatic
         (needs `costs`, the target's verify cost curve). `kv_budget_tokens`: cache slots all running requests may
-        reserve together (None: max_running full windows)."""
+        reserve together (None: max_running full windows). `prompt_cache`: recent prompts' keys and values, which
+        a request starting with the same tokens copies instead of computing (used where prompts run as
+        one-token forwards, so the copy is exact; None: every prompt is computed in full)."""
         self.target = target
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
@@ -78,6 +81,7 @@ class Engine:
         self.last: Sequence | None = None  # the request `generate` ran last
         self.eos = tuple(target.config.eos_token_ids)
         self.prompt_decode = prompt_as_decode_rows(target)
+        self.prompt_cache = prompt_cache if rows_exact(target) else None  # copied rows are the rows it would compute
         # A drafter's own cache grows with the context too: the KV budget counts it, in target tokens.
         self.kv_scale = 1.0 + drafter.cache_bytes_per_token / (bytes_per_token(target) or math.inf)
 
@@ -150,6 +154,8 @@ class Engine:
         if (leader is not None and leader in self.reserved and leader.prefilling and leader.tokens == seq.tokens
                 and isinstance(cache, KVCache)):  # a transformers cache is not copied: it prefills on its own
             seq.leader = leader
+        elif self._reuses_prompt(seq):  # at least the last prompt token is computed: its logits are the first token's
+            seq.fed = seq.stats.cached_prompt_tokens = self.prompt_cache.reuse(cache, prompt_ids, len(prompt_ids) - 1)
         self.running.append(seq)
         self.reserved[seq] = need
         self.planner.join(seq)
@@ -166,6 +172,8 @@ class Engine:
                     other.leader = None
             if seq.finish_reason is not None:
                 seq.drafter.finished(seq.tokens[seq.stats.prompt_tokens :])
+                if self._reuses_prompt(seq):  # with its answer: a chat's next turn starts with both
+                    self.prompt_cache.store(seq.tokens[: min(seq.cache.length, len(seq.tokens))], seq.cache)
 
     def stop(self, seq: Sequence, dropped: int) -> None:
         """A stop string one layer up ended `seq` inside its last step: its last `dropped` tokens are not output."""
@@ -235,6 +243,8 @@ class Engine:
                     step = seq.prefilled(part.tokens.numel(), logits, hidden)
                     if step is not None:
                         results += self._copy_prefill(seq, logits[-1:])
+                        if self._reuses_prompt(seq):
+                            self.prompt_cache.store(seq.tokens[: seq.stats.prompt_tokens], seq.cache)
                 else:
                     step = seq.verified(logits, hidden)
                     self.planner.learn(seq, step)
@@ -245,6 +255,12 @@ class Engine:
                 results.append((seq, step))
         self.last_step = StepInfo(len(owners), rows, prefill_rows, [len(s.draft) for s in decoding])
         return self._finish(results)
+
+    def _reuses_prompt(self, seq: Sequence) -> bool:
+        """Can `seq`'s prompt rows come from (and go to) the prompt cache? Not when it needs every prompt row
+        computed: their logits (prompt logprobs) or their features (a drafter that reads every position)."""
+        return (self.prompt_cache is not None and isinstance(seq.cache, KVCache) and seq.prompt_logprobs is None
+                and not seq.keep_hidden)
 
     def _copy_prefill(self, leader: Sequence, last_logits: torch.Tensor) -> list[Outcome]:
         """The requests that wait for `leader`'s prompt (n > 1) take it now -> their first Steps."""

@@ -415,6 +415,13 @@ class Transformer(nn.Module):
         return layers
 
 
+def rows_exact(model: nn.Module) -> bool:
+    """Whether each row of a decode-mode forward is bit for bit what a one-token forward gives, in forwards of any
+    size: on the CPU with every linear layer on a kernel (a plain nn.Linear rounds a one-row product differently
+    from a many-row one). Rows computed in one request can then stand for another's (prompt_cache.py)."""
+    return prompt_as_decode_rows(model) and not any(isinstance(m, nn.Linear) for m in model.modules())
+
+
 def prompt_as_decode_rows(model: nn.Module) -> bool:
     """Whether a prompt goes in as decode rows (`decode=True`), as the engine feeds it on the CPU: there every
     position of the target and of a draft model that reads its prompt is computed alike (the server and the CLI

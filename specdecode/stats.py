@@ -22,6 +22,7 @@ from specdecode.budget import CostCurve
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, tokens whose keys and values came from an earlier prompt
     new_tokens: int = 0
     target_forwards: int = 0  # verify/decode forwards after prefill
     drafts: int = 0  # decode steps that had at least one draft token
@@ -108,6 +109,7 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
             "drafts": self.drafts,

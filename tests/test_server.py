@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server_thread import BackgroundServer
 from specdecode.api import SpecDecoder
+from specdecode.config import SamplingParams
 from specdecode.server.app import create_app
 from specdecode.server.settings import ServerSettings
 
@@ -208,6 +209,24 @@ def test_predicted_outputs_give_the_same_answer_and_count_the_prediction(client)
                                            max_tokens=40, temperature=0)
     assert chat.choices[0].message.content == alone.choices[0].message.content
     assert alone.usage.completion_tokens_details is None  # no prediction, no prediction counts
+
+
+def test_a_next_turn_reuses_the_last_one_and_says_so(client, http):
+    """A chat's second turn copies the first turn's prompt and answer from the prompt cache: usage reports them as
+    OpenAI's cached tokens, /metrics counts them, and the answer is the one computed without them."""
+    first = [{"role": "user", "content": "Name a color."}]
+    one = client.chat.completions.create(model=SMOL, messages=first, max_tokens=10, temperature=0)
+    turn = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                    {"role": "user", "content": "And another one?"}]
+    before = metrics(http)
+    two = client.chat.completions.create(model=SMOL, messages=turn, max_tokens=10, temperature=0)
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert one.usage.prompt_tokens <= cached < two.usage.prompt_tokens
+    assert metrics(http)[("specdecode:prompt_tokens_cached_total", ())] - before.get(
+        ("specdecode:prompt_tokens_cached_total", ()), 0) == cached
+    fresh = SpecDecoder.load(SMOL, method="ngram", dtype="float32", max_len=MAX_LEN, prompt_cache_mb=0)
+    assert fresh.engine.prompt_cache is None
+    assert fresh.generate(turn, SamplingParams(max_new_tokens=10), chat=True).text == two.choices[0].message.content
 
 
 def test_api_key_is_required_on_v1(url, client):

@@ -30,6 +30,7 @@ from specdecode.drafters import NoDrafter
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, plan_load
 from specdecode.methods import METHODS
+from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB, PromptCache
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +61,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_weight_args(p)
     p.add_argument("--max-len", type=int, default=8192, help="context window to allocate (tokens)")
     p.add_argument("--max-ngram", type=int, default=3, help="longest n-gram for ngram and hf-pld")
+    p.add_argument("--prompt-cache-mb", type=float, default=DEFAULT_PROMPT_CACHE_MB, metavar="MB",
+                   help="our methods reuse recent prompts' keys and values, as served; llama.cpp then reuses its "
+                        "last context's common prefix, as llama-cpp-python does by default (0: every prompt "
+                        "computed in full by every engine)")
     p.add_argument("--prompt-as-chat", action="store_true",
                    help="send `prompt` rows as a chat user message (default: raw completion prompts)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -69,6 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validate everything before the slow model loads
+    PromptCache(args.prompt_cache_mb)  # a negative size fails here too
     methods = parse_methods(args.methods or ",".join(default_methods(args)))
     for name in ("limit", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -88,7 +94,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if costs is not None:
         print("bench: verify cost, relative to one token, for 1..16 tokens: "
               + " ".join(f"{r:.2f}" for r in costs.ratios()), file=sys.stderr)
-    runners = build_runners(methods, models, args.num_draft_tokens, args.max_len, args.max_ngram, costs)
+    runners = build_runners(methods, models, args.num_draft_tokens, args.max_len, args.max_ngram, costs,
+                            args.prompt_cache_mb)
     encoder = SpecDecoder(models.target, models.tokenizer, NoDrafter(), "none", 0, args.max_len)
 
     def decode(ids: list[int]) -> str:  # an answer as the next turn's history sees it
@@ -148,6 +155,7 @@ def settings(args: argparse.Namespace, methods: list[str], greedy: bool, plan: L
         "max_new_tokens": args.max_new_tokens, "greedy": greedy, "temperature": args.temperature,
         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "repeats": args.repeats,
         "num_draft_tokens": args.num_draft_tokens, "max_ngram": args.max_ngram, "max_len": args.max_len,
+        "prompt_cache_mb": args.prompt_cache_mb,
         "prompt_as_chat": args.prompt_as_chat, "weights": plan.weights, "quantize": plan.quantize,
         "draft_weights": plan.draft_weights, "draft_quantize": plan.draft_quantize, "threads": torch.get_num_threads(),
         "draft_vocab": args.draft_vocab, "draft_vocab_corpus": args.draft_vocab_corpus,

@@ -37,7 +37,9 @@ class LlamaCppRunner:
     family = "llamacpp"
 
     def __init__(self, gguf: Path, eos_token_ids: list[int], n_ctx: int, lookup_tokens: int = 0,
-                 max_ngram: int = 3, threads: int | None = None) -> None:
+                 max_ngram: int = 3, threads: int | None = None, reuse_prefix: bool = False) -> None:
+        """`reuse_prefix`: keep the last generation's context, so that llama.cpp computes only what a prompt adds
+        to its common prefix with it (llama-cpp-python's default); False empties it before every prompt."""
         llama_cpp = import_llama_cpp()
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -46,6 +48,7 @@ class LlamaCppRunner:
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                                    draft_model=draft, verbose=False)
         self.eos_token_ids = set(eos_token_ids)
+        self.reuse_prefix = reuse_prefix
         self.evals = 0
         forward = self.llm.eval
 
@@ -55,8 +58,17 @@ class LlamaCppRunner:
 
         self.llm.eval = counted
 
+    def snapshot(self) -> list:
+        """Its context, where it keeps one between generations: every repeat of a prompt starts from the same, as
+        ours start from the same kept prompts (bench/runners.py)."""
+        return [self.llm.save_state()] if self.reuse_prefix else []
+
+    def restore(self, snapshot: list) -> None:
+        self.llm.load_state(snapshot[0])
+
     def run(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
-        self.llm.reset()  # an empty cache: no prefix reuse from the previous generation
+        if not self.reuse_prefix:
+            self.llm.reset()  # an empty cache: no prefix reuse from the previous generation
         if params.seed is not None:
             self.llm.set_seed(params.seed)
         self.evals = 0

@@ -31,6 +31,7 @@ from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, Models, check_same_tokenizer, load_draft, load_model, load_tokenizer
 from specdecode.methods import METHODS, SHAPES, build_drafter
 from specdecode.planner import DRAFT_MIN_CONFIDENCE
+from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB
 from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
 from specdecode.weights import load_checkpoint, resolve_source
 
@@ -170,7 +171,10 @@ def load_hf(source: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
 
 
 def build_runners(methods: list[str], models: BenchModels, override_k: int | None = None, max_len: int = 8192,
-                  max_ngram: int = 3, costs: CostCurve | None = None) -> dict[str, Runner]:
+                  max_ngram: int = 3, costs: CostCurve | None = None,
+                  prompt_cache_mb: float = DEFAULT_PROMPT_CACHE_MB) -> dict[str, Runner]:
+    """`prompt_cache_mb` > 0: our methods reuse recent prompts' keys and values and llama.cpp its last
+    context's common prefix (each engine's default way); 0: every prompt computed in full."""
     runners: dict[str, Runner] = {}
     for method in methods:
         k = num_draft_tokens(method, override_k)
@@ -178,14 +182,15 @@ def build_runners(methods: list[str], models: BenchModels, override_k: int | Non
             runners[method] = HFRunner(models.hf_target, models.eos_token_ids, hf_options(method, models, k, max_ngram))
         elif method in LLAMACPP_METHODS:
             # A context of at most 4096: its prompt lookup keeps logits for every slot (n_ctx x vocab floats).
-            runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, min(max_len, 4096), k, max_ngram)
+            runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, min(max_len, 4096), k, max_ngram,
+                                             reuse_prefix=prompt_cache_mb > 0)
         else:
             name, shape = drafter_and_shape(method)
             over = draft_models(method, models)
             drafter = build_drafter(name, replace(over, trained=models.trained.get(name)), shape, max_ngram)
             if (head := drafter.trained_weights) is not None:
                 models.head_weights[method] = head
-            decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len, costs)
+            decoder = SpecDecoder(models.target, models.tokenizer, drafter, method, k, max_len, costs, prompt_cache_mb)
             runners[method] = SpecRunner(decoder, models.target.device)
     return runners
 

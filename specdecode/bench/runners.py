@@ -62,8 +62,11 @@ class SpecRunner:
         self.device = device  # the target's, for the clock's sync
 
     def snapshot(self) -> list:
-        """What its drafter remembers across requests, to run a prompt's repeats from the same memory."""
-        return [(m, m.snapshot()) for m in self.decoder.engine.drafter.memories()]
+        """What its drafter remembers across requests, and the prompts its engine keeps, to run a prompt's
+        repeats from the same memory."""
+        engine = self.decoder.engine
+        memories = engine.drafter.memories() + ([engine.prompt_cache] if engine.prompt_cache is not None else [])
+        return [(m, m.snapshot()) for m in memories]
 
     @staticmethod
     def restore(snapshot: list) -> None:

@@ -34,7 +34,8 @@ import torch
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.tree_growth import ForwardTime, GrowsTrees, Node
 from specdecode.kv_cache import bytes_per_token
-from specdecode.model import Part, chain_part, prompt_as_decode_rows
+from specdecode.model import Part, chain_part, prompt_as_decode_rows, rows_exact
+from specdecode.prompt_cache import DRAFT_PROMPT_CACHE_MB, PromptCache
 
 TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
 # Nodes of a depth fed to the next draft forward in a tree. On a 2-core CPU feeding three cost 16.8 ms against
@@ -49,10 +50,12 @@ class DraftModelDrafter(GrowsTrees):
     def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 256,
                  min_confidence: float = 0.0, width: int = 1, max_depth: int = 8, expand: int | None = None,
                  head_tokens: torch.Tensor | None = None, clock: ForwardTime | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, prompts: PromptCache | None = None) -> None:
         """`head_tokens`: the vocabulary id of each logit of a draft head cut to frequent tokens
         (vocab_subset.cut_draft_head), None when it scores the whole vocabulary. `window`: the most prompt tokens
-        it reads (its first `SINK_TOKENS` and the newest), None for the whole prompt."""
+        it reads (its first `SINK_TOKENS` and the newest), None for the whole prompt. `prompts`: recent prompts'
+        keys and values, shared with its forks (default: its own, where prompts run as one-token forwards, so that
+        a copied row is the row it would compute)."""
         self.model = model
         self.device = model.device
         self.head_tokens = None if head_tokens is None else head_tokens.to(model.device)
@@ -70,6 +73,9 @@ class DraftModelDrafter(GrowsTrees):
         self.forwards = 0  # forwards of the last draft, its catching up excluded
         self.catching_up = False  # the forward now running feeds a prompt or steps this drafter sat out
         self.window = window
+        if prompts is None and rows_exact(model):  # a seeded request then draws the same whatever ran before it
+            prompts = PromptCache(DRAFT_PROMPT_CACHE_MB)
+        self.prompts = prompts
         self.skipped = 0  # prompt tokens left out of its cache (between the sink and the window): cache slot
         # c >= SINK_TOKENS holds context token c + skipped
 
@@ -83,7 +89,10 @@ class DraftModelDrafter(GrowsTrees):
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.model, self.vocab_size, self.initial_len, self.min_confidence, self.width,
-                                 self.max_depth, self.expand, self.head_tokens, self.clock, self.window)
+                                 self.max_depth, self.expand, self.head_tokens, self.clock, self.window, self.prompts)
+
+    def memories(self) -> list:
+        return [] if self.prompts is None else [self.prompts]
 
     def reset(self) -> None:
         if self.cache is not None:
@@ -107,10 +116,15 @@ class DraftModelDrafter(GrowsTrees):
         self.catching_up = True
         if self.cache.length == 0 and len(pending) > 1:
             prompt = self._windowed(pending[:-1])
-            # Each position computed as the target computes it (its prompt as the target reads its own), every later
-            # token as a one-row decode. With 8-bit activations a last-bit difference can flip a rounding, and a
-            # draft that rounds like the target guesses more of its near-ties right.
-            yield self._chain_part(prompt, decode=prompt_as_decode_rows(self.model))
+            # What an earlier prompt shares with this one is copied (a system prompt, a chat's earlier turns).
+            reused = self.prompts.reuse(self.cache, prompt, len(prompt)) if self.prompts is not None else 0
+            if reused < len(prompt):
+                # Each position computed as the target computes it (its prompt as the target reads its own), every
+                # later token as a one-row decode. With 8-bit activations a last-bit difference can flip a
+                # rounding, and a draft that rounds like the target guesses more of its near-ties right.
+                yield self._chain_part(prompt[reused:], decode=prompt_as_decode_rows(self.model))
+            if self.prompts is not None:
+                self.prompts.store(prompt, self.cache)
             pending = pending[-1:]
         # The root, and the last token of a fully accepted draft: more than that are steps it sat out.
         self.catching_up = len(pending) > 2

@@ -42,6 +42,8 @@ def usage(stats: dict[str, Any] | list[dict[str, Any]], method: str, num_draft_t
     if stats.get("prediction_tokens") is not None:  # Predicted Outputs, counted as OpenAI does
         details = {"completion_tokens_details": {"accepted_prediction_tokens": stats["accepted_prediction_tokens"],
                                                  "rejected_prediction_tokens": stats["rejected_prediction_tokens"]}}
+    if stats.get("cached_prompt_tokens"):  # prompt tokens an earlier request's prefill served, as OpenAI reports them
+        details["prompt_tokens_details"] = {"cached_tokens": stats["cached_prompt_tokens"]}
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -33,6 +33,8 @@ class Metrics:
             return Counter(P + name, doc, names + list(extra), registry=r)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(**labels)
+        self.cached_prompt_tokens = counter("prompt_tokens_cached", "Of them, tokens copied from the prompt cache."
+                                            ).labels(**labels)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(**labels)
         self._finished = counter("request_success", "Finished requests by reason (stop, length, abort, error, timeout).",
                                  ("finished_reason",))
@@ -109,6 +111,7 @@ class Metrics:
         if stats is None:
             return
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
         self.generation_tokens.inc(stats.new_tokens)
         self.num_drafts.inc(stats.drafts)
         self.num_draft_tokens.inc(stats.drafted_tokens)

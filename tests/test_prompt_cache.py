@@ -1,0 +1,190 @@
+"""Recent prompts' keys and values reused: a request that starts like an earlier one computes only the rest, and
+its output is exactly what it would be without them (greedy and seeded sampling, alone and in a batch)."""
+
+import pytest
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.drafters import DraftModelDrafter, HybridDrafter, NoDrafter
+from specdecode.engine import Engine
+from specdecode.errors import SpecdecodeError
+from specdecode.kv_cache import KVCache
+from specdecode.planner import Planner
+from specdecode.prompt_cache import PromptCache
+from specdecode.server.formats import usage
+from specdecode.stats import GenerationStats
+from specdecode.quantize import quantize_
+from test_batch import WIDE, needs_kernels
+from tiny import tiny_native
+
+pytestmark = needs_kernels
+
+PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
+LONGER = PROMPT + [7, 8, 3, 3]  # a next turn: the earlier prompt, then more
+OTHER = [1, 2, 3, 4, 40, 41, 42]  # shares its first four tokens
+
+
+@pytest.fixture(autouse=True)
+def costs_as_given(monkeypatch):
+    monkeypatch.setattr(Planner, "observe", lambda self, rows, seconds: None)
+
+
+@pytest.fixture(scope="module")
+def target():
+    # Weights in blocks on the CPU kernel, as a GGUF target runs: each row is computed as if alone, so a copied row
+    # is bit for bit the row a prefill writes (a plain torch Linear is not row-exact: its one-row products round
+    # differently).
+    return quantize_(tiny_native("qwen2", seed=0, **WIDE), "q8_0")
+
+
+def drafter(seed: int = 1, **kw) -> DraftModelDrafter:
+    """A draft model on the kernels (rows exact), so it keeps its prompts too."""
+    return DraftModelDrafter(quantize_(tiny_native("qwen2", seed=seed, **WIDE), "q8_0"), vocab_size=64, **kw)
+
+
+def run(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [t for step in engine.generate(prompt, params) for t in step.tokens]
+
+
+def cache_of(n: int, layers: int = 2, fill: float | None = None) -> KVCache:
+    cache = KVCache(layers, 1, 2, n, 4, torch.float32)
+    if fill is None:
+        cache.k.copy_(torch.arange(cache.k.numel(), dtype=torch.float32).view_as(cache.k))
+        cache.v.copy_(-cache.k)
+    cache.truncate(n)
+    return cache
+
+
+def test_restores_the_longest_shared_prefix_within_the_limit():
+    store = PromptCache(1)
+    store.store([1, 2, 3, 4], cache_of(4))
+    store.store([1, 2, 9], cache_of(3))
+    fresh = cache_of(8, fill=0.0)
+    fresh.k.zero_()
+    assert store.reuse(fresh, [1, 2, 3, 4, 5], limit=4) == 4
+    assert fresh.length == 4 and torch.equal(fresh.k[:, :, :, :4], cache_of(4).k)
+    assert store.reuse(fresh, [1, 2, 3, 4], limit=3) == 3  # at least the last token is left to compute
+    assert store.reuse(fresh, [5, 1, 2], limit=3) == 0 and fresh.length == 3  # no match: the cache untouched
+
+
+def test_keeps_a_prompt_once_and_drops_what_a_longer_one_serves():
+    store = PromptCache(1)
+    store.store([1, 2, 3], cache_of(3))
+    store.store([1, 2, 3, 4, 5], cache_of(5))
+    assert [p.tokens.tolist() for p in store.prompts] == [[1, 2, 3, 4, 5]]
+    store.store([1, 2, 3], cache_of(3))  # within the kept one: nothing new
+    assert len(store.prompts) == 1
+
+
+def test_least_recently_used_prompts_leave_first():
+    one = cache_of(4)
+    size = one.k.nbytes + one.v.nbytes + 4 * 8
+    store = PromptCache(2.5 * size / 2**20)  # room for two
+    store.store([1, 1, 1, 1], cache_of(4))
+    store.store([2, 2, 2, 2], cache_of(4))
+    store.reuse(cache_of(8), [1, 1, 1, 1], 4)  # used: the other one is older now
+    store.store([3, 3, 3, 3], cache_of(4))
+    assert sorted(p.tokens[0] for p in store.prompts) == [1, 3] and store.nbytes <= store.max_bytes
+    off = PromptCache(0)
+    off.store([1, 2], cache_of(2))
+    assert off.prompts == []
+    with pytest.raises(SpecdecodeError, match="prompt-cache-mb"):
+        PromptCache(-1)
+
+
+def test_greedy_output_is_the_same_with_reused_prompts(target):
+    params = SamplingParams(max_new_tokens=30)
+    plain = Engine(target, NoDrafter())
+    expected = {tuple(p): run(plain, p, params) for p in (PROMPT, LONGER, OTHER)}
+    engine = Engine(target, NoDrafter(), prompt_cache=PromptCache(4))
+    assert run(engine, PROMPT, params) == expected[tuple(PROMPT)]
+    assert engine.last.stats.cached_prompt_tokens == 0
+    assert run(engine, LONGER, params) == expected[tuple(LONGER)]
+    assert engine.last.stats.cached_prompt_tokens == len(PROMPT)
+    assert run(engine, OTHER, params) == expected[tuple(OTHER)]
+    assert engine.last.stats.cached_prompt_tokens == 4
+    assert run(engine, LONGER, params) == expected[tuple(LONGER)]  # the same prompt again: all but its last token
+    assert engine.last.stats.cached_prompt_tokens == len(LONGER) - 1
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_draft_models_reuse_their_prompts_and_change_nothing(target, auto):
+    from test_engine import CPU_LIKE
+
+    params = SamplingParams(max_new_tokens=30)
+    expected = {tuple(p): run(Engine(target, NoDrafter()), p, params) for p in (PROMPT, LONGER)}
+    draft = drafter()
+    for each in (draft, HybridDrafter(drafter(window=7))):
+        engine = Engine(target, each, num_draft_tokens=None if auto else 3, costs=CPU_LIKE if auto else None,
+                        prompt_cache=PromptCache(4))
+        for prompt in (PROMPT, LONGER, LONGER):
+            assert run(engine, prompt, params) == expected[tuple(prompt)]
+    assert len(draft.prompts.prompts) == 1  # PROMPT within LONGER: one kept
+
+
+def test_batched_requests_reuse_prompts_and_keep_their_outputs(target):
+    from test_batch import run_batch  # noqa: PLC0415
+
+    params = SamplingParams(max_new_tokens=20)
+    requests = [(LONGER, params), (OTHER, params), (PROMPT, params)]
+    alone = [run(Engine(target, NoDrafter()), p, params) for p, _ in requests]
+    engine = Engine(target, drafter(), num_draft_tokens=2,
+                    prompt_cache=PromptCache(4))
+    run(engine, PROMPT, params)
+    assert run_batch(engine, requests, arrivals=[0, 1, 1]) == alone
+
+
+def test_seeded_sampling_draws_the_same_with_reused_prompts(target):
+    params = SamplingParams(max_new_tokens=25, temperature=0.9, top_p=0.95, seed=7)
+    make = drafter
+    without = run(Engine(target, make(), num_draft_tokens=3), LONGER, params)
+    engine = Engine(target, make(), num_draft_tokens=3, prompt_cache=PromptCache(4))
+    run(engine, PROMPT, params)
+    assert run(engine, LONGER, params) == without
+    assert engine.last.stats.cached_prompt_tokens == len(PROMPT)
+
+
+def test_a_target_whose_rows_are_not_exact_computes_every_prompt():
+    plain = tiny_native("qwen2", seed=0)  # torch Linear layers: a one-row product rounds its own way
+    assert Engine(plain, NoDrafter(), prompt_cache=PromptCache(4)).prompt_cache is None
+    assert DraftModelDrafter(plain, vocab_size=64).prompts is None
+
+
+def test_prompt_logprobs_compute_every_prompt_row(target):
+    engine = Engine(target, NoDrafter(), prompt_cache=PromptCache(4))
+    run(engine, PROMPT, SamplingParams(max_new_tokens=4))
+    echo = SamplingParams(max_new_tokens=4, prompt_logprobs=1)
+    run(engine, PROMPT, echo)
+    assert engine.last.stats.cached_prompt_tokens == 0
+    assert len(engine.last.prompt_logprobs) == len(PROMPT)
+
+
+def test_usage_reports_cached_prompt_tokens_as_openai_does():
+    stats = GenerationStats(prompt_tokens=20, cached_prompt_tokens=13).to_dict()
+    assert usage(stats, "none", 0)["prompt_tokens_details"] == {"cached_tokens": 13}
+    assert "prompt_tokens_details" not in usage(GenerationStats(prompt_tokens=20).to_dict(), "none", 0)
+
+
+@pytest.mark.parametrize("width", [1, 2])  # a chain, and a tree whose accepted nodes move into place
+def test_a_finished_answer_is_kept_bit_for_bit_as_a_prefill_would_write_it(target, width):
+    """A request's keys and values, verify rows included, are the ones a prefill of its tokens writes: so a chat's
+    next turn can start from its prompt and answer."""
+    engine = Engine(target, drafter(width=width),
+                    num_draft_tokens=4, prompt_cache=PromptCache(4))
+    answer = run(engine, PROMPT, SamplingParams(max_new_tokens=30))
+    (kept,) = engine.prompt_cache.prompts
+    assert kept.tokens.tolist() == (PROMPT + answer)[: len(kept.tokens)] and len(kept.tokens) >= len(PROMPT) + 28
+    fresh = Engine(target, NoDrafter())
+    next(iter(fresh.generate(kept.tokens.tolist() + [5], SamplingParams(max_new_tokens=1))))
+    n = len(kept.tokens)
+    assert torch.equal(kept.k, fresh.last.cache.k[:, :, :, :n]) and torch.equal(kept.v, fresh.last.cache.v[:, :, :, :n])
+
+
+def test_a_next_turn_starts_from_the_last_answer(target):
+    params = SamplingParams(max_new_tokens=20)
+    engine = Engine(target, drafter(width=2),
+                    num_draft_tokens=3, prompt_cache=PromptCache(4))
+    answer = run(engine, PROMPT, params)
+    turn = PROMPT + answer + [7, 8, 9]
+    assert run(engine, turn, params) == run(Engine(target, NoDrafter()), turn, params)
+    assert engine.last.stats.cached_prompt_tokens >= len(PROMPT) + len(answer) - 1
