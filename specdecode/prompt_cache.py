@@ -81,7 +81,8 @@ class PromptCache:
         return length
 
     def store(self, tokens: list[int], cache: KVCache) -> None:
-        """Keep the keys and values of `tokens`, the prompt at positions [0, len(tokens)) of `cache`."""
+        """Keep the keys and values of `tokens` (a prompt, or a prompt and its answer), positions [0, len(tokens)) of
+        `cache`."""
         n = len(tokens)
         if n == 0 or self.max_bytes == 0:
             return
@@ -91,9 +92,10 @@ class PromptCache:
                 self.prompts.remove(prompt)  # already kept, within a longer one: used now
                 self.prompts.append(prompt)
                 return
-        entry = _Prompt(ids, cache.k[:, :, :, :n].clone(), cache.v[:, :, :, :n].clone())
-        if entry.nbytes > self.max_bytes:
+        k, v = cache.k[:, :, :, :n], cache.v[:, :, :, :n]  # views: a prompt too large for the cache is not copied
+        if k.nbytes + v.nbytes + ids.nbytes > self.max_bytes:
             return
+        entry = _Prompt(ids, k.clone(), v.clone())
         self.prompts = [p for p in self.prompts if common_prefix(p.tokens, ids) < len(p.tokens)]
         self.prompts.append(entry)
         while self.nbytes > self.max_bytes:

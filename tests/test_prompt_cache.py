@@ -88,6 +88,9 @@ def test_least_recently_used_prompts_leave_first():
     off = PromptCache(0)
     off.store([1, 2], cache_of(2))
     assert off.prompts == []
+    small = PromptCache(0.5 * size / 2**20)  # less than one prompt: kept prompts stay, the large one is not copied
+    small.store([1, 1, 1, 1], cache_of(4))
+    assert small.prompts == []
     with pytest.raises(SpecdecodeError, match="prompt-cache-mb"):
         PromptCache(-1)
 
