@@ -26,7 +26,7 @@ from specdecode.engine import Engine, Step
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, load_models, plan_load
 from specdecode.methods import DEFAULT_METHOD, build_drafter, get_method, shape_of, trained_folder
-from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB, PromptCache
+from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB, PromptCache, check_size
 from specdecode.rules.grammar import Constraint, GrammarCompiler
 from specdecode.sequence import TokenLogprob
 from specdecode.stats import GenerationStats
@@ -97,7 +97,7 @@ class SpecDecoder:
         request sharing a prefix with one (a system prompt, the earlier turns of a chat) computes only the rest
         (0: off)."""
         how = get_method(method)
-        PromptCache(prompt_cache_mb)  # a bad size fails here, before any model loads
+        check_size(prompt_cache_mb)  # a bad size fails here, before any model loads
         shape = shape_of(method, draft_shape)
         trained = trained_folder(method, draft)
         draft = (draft or DEFAULT_DRAFT) if how.needs_draft_model else None

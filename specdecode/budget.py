@@ -91,23 +91,30 @@ class InUseCurve:
         if len(times) >= self.min_times:
             first = m not in self.medians
             self.medians[m] = statistics.median(times)
-            self.curve = self._curve()
+            self.curve = self._curve(explore=True)
             self.updates += 1
             if self.measured.source is not None and (first or self.updates >= SAVE_EVERY):
                 # the next process starts from what this one saw, not from one quiet (or busy) measurement
                 if self.label is None:  # the file's own model and machine lines, read once
                     self.label = file_label(self.measured.source)
-                save(self.measured.source, self.curve, self.label)
+                save(self.measured.source, self._curve(explore=False), self.label)  # what was timed, no guess
                 self.updates = 0
         return self.curve
 
-    def _curve(self) -> CostCurve:
+    def _curve(self, explore: bool) -> CostCurve:
         """Known sizes at their medians; the others at the measured time times the in-use/measured ratio of the
         nearest known sizes (interpolated between them): a request that always drafts never times one row, and
-        its C(1) then follows C(2), not the far end of the curve."""
+        its C(1) then follows C(2), not the far end of the curve.
+
+        `explore`: the size just past the largest known one is priced no dearer than the row before it added.
+        A measurement taken while the machine was busy can price the larger sizes far too high (seen: 3 rows
+        at 1.8x one, where they cost 1.3x), and a size the planner never verifies is never timed. This way the
+        next size gets tried and timed, and the curve climbs to the sizes that pay. Only the timed curve is
+        written back."""
         measured = self.measured.seconds
         known = sorted(self.medians)
         ratio = {m: self.medians[m] / measured[m - 1] for m in known}
+        next_try = known[-1] + 1 if explore and known else 0
         seconds, floor = [], 0.0
         for m, measured_s in enumerate(measured, start=1):
             if m in ratio:
@@ -120,6 +127,8 @@ class InUseCurve:
                 else:
                     r = ratio[below] + (ratio[above] - ratio[below]) * (m - below) / (above - below)
                 at = measured_s * r
+                if m == next_try and m >= 3:  # the last row's price again
+                    at = min(at, 2 * seconds[-1] - seconds[-2])
             floor = max(floor, at)  # more rows never cost less
             seconds.append(floor)
         tail, floor = [], seconds[-1]

@@ -41,10 +41,15 @@ class _Prompt:
         return self.k.nbytes + self.v.nbytes + self.tokens.nbytes
 
 
+def check_size(max_mb: float) -> None:
+    """Reject a negative size (before any model loads, where a size comes from a user)."""
+    if max_mb < 0:
+        raise SpecdecodeError(f"--prompt-cache-mb must be 0 (off) or more (got {max_mb})")
+
+
 class PromptCache:
     def __init__(self, max_mb: float = DEFAULT_PROMPT_CACHE_MB) -> None:
-        if max_mb < 0:
-            raise SpecdecodeError(f"--prompt-cache-mb must be 0 (off) or more (got {max_mb})")
+        check_size(max_mb)
         self.max_bytes = int(max_mb * 2**20)
         self.prompts: list[_Prompt] = []  # least recently used first
 

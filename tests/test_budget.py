@@ -23,7 +23,8 @@ def test_in_use_medians_replace_the_measured_sizes_and_scale_the_rest():
     curve = in_use.observe(2, 4.5)
     assert curve.seconds[1] == 4.5  # the median of 5.0, 4.0, 4.5
     scale = 4.5 / 3.1  # the other sizes follow the machine's speed now
-    assert curve.seconds == pytest.approx((3.0 * scale, 4.5, 3.5 * scale, 4.0 * scale))
+    assert in_use._curve(explore=False).seconds == pytest.approx((3.0 * scale, 4.5, 3.5 * scale, 4.0 * scale))
+    assert curve.seconds[2] == pytest.approx(4.5 + (4.5 - 3.0 * scale))  # the size after the timed one: tried
     assert curve.tail[0][0] == 8 and curve.tail[0][1] == pytest.approx(6.0 * scale)
     for seconds in (1.0, 9.0, 9.0):  # one lucky forward moves no median
         curve = in_use.observe(4, seconds)
@@ -50,6 +51,22 @@ def test_sizes_never_timed_follow_their_nearest_timed_neighbours():
     # one row (never timed: every step drafted) follows two rows, not the dearer end of the curve
     assert curve.seconds[0] == pytest.approx(1.0) and curve.seconds[4] == pytest.approx(4.4)
     assert curve.seconds[2] == pytest.approx(1.2 * 1.5)  # halfway between the ratios of 2 and 4 rows
+
+
+def test_a_size_priced_too_dear_by_a_busy_measurement_gets_tried_and_timed():
+    # Measured while the machine was busy: 3 rows and more priced far above what they cost in use.
+    in_use = InUseCurve(CostCurve((1.0, 1.05, 1.8, 2.4, 2.8)), min_times=2)
+    for seconds in (1.05, 1.05):  # a drafter that always drafts one token: only 2 rows are ever timed
+        curve = in_use.observe(2, seconds)
+    # the next size is priced at what the last row added, the ones after it as measured
+    assert curve.cost(3) == pytest.approx(1.10) and curve.cost(4) == pytest.approx(2.4)
+    for seconds in (1.12, 1.12):  # tried: it costs about that
+        curve = in_use.observe(3, seconds)
+    assert curve.cost(3) == pytest.approx(1.12) and curve.cost(4) == pytest.approx(1.19)  # and the next one's turn
+    assert in_use._curve(explore=False).cost(4) == pytest.approx(2.4 * 1.12 / 1.8)  # no guess is written back
+    for seconds in (2.9, 2.9):  # a size that is as dear as measured stays so, and the guess past it follows
+        curve = in_use.observe(4, seconds)
+    assert curve.cost(4) == pytest.approx(2.9) and curve.cost(5) == pytest.approx(2.8 * 2.9 / 2.4)
 
 
 def test_measure_is_monotone_and_cached(tmp_path, monkeypatch):

@@ -191,3 +191,12 @@ def test_a_next_turn_starts_from_the_last_answer(target):
     turn = PROMPT + answer + [7, 8, 9]
     assert run(engine, turn, params) == run(Engine(target, NoDrafter()), turn, params)
     assert engine.last.stats.cached_prompt_tokens >= len(PROMPT) + len(answer) - 1
+
+
+def test_a_draft_model_whose_rows_are_not_exact_keeps_no_prompts_nor_asks_again_at_each_fork(monkeypatch):
+    plain = DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64)
+    assert plain.prompts is None and plain.memories() == []
+    import specdecode.drafters.draft_model as draft_model
+
+    monkeypatch.setattr(draft_model, "rows_exact", lambda model: pytest.fail("a fork scanned the model again"))
+    assert plain.fork().prompts is None

@@ -30,7 +30,7 @@ from specdecode.drafters import NoDrafter
 from specdecode.errors import SpecdecodeError
 from specdecode.loading import LoadPlan, plan_load
 from specdecode.methods import METHODS
-from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB, PromptCache
+from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB, check_size
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validate everything before the slow model loads
-    PromptCache(args.prompt_cache_mb)  # a negative size fails here too
+    check_size(args.prompt_cache_mb)  # a negative size fails here too
     methods = parse_methods(args.methods or ",".join(default_methods(args)))
     for name in ("limit", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:

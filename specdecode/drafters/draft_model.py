@@ -50,12 +50,12 @@ class DraftModelDrafter(GrowsTrees):
     def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 256,
                  min_confidence: float = 0.0, width: int = 1, max_depth: int = 8, expand: int | None = None,
                  head_tokens: torch.Tensor | None = None, clock: ForwardTime | None = None,
-                 window: int | None = None, prompts: PromptCache | None = None) -> None:
+                 window: int | None = None, prompts: PromptCache | bool | None = None) -> None:
         """`head_tokens`: the vocabulary id of each logit of a draft head cut to frequent tokens
         (vocab_subset.cut_draft_head), None when it scores the whole vocabulary. `window`: the most prompt tokens
         it reads (its first `SINK_TOKENS` and the newest), None for the whole prompt. `prompts`: recent prompts'
-        keys and values, shared with its forks (default: its own, where prompts run as one-token forwards, so that
-        a copied row is the row it would compute)."""
+        keys and values, shared with its forks (None: its own, where prompts run as one-token forwards, so that
+        a copied row is the row it would compute; False: none)."""
         self.model = model
         self.device = model.device
         self.head_tokens = None if head_tokens is None else head_tokens.to(model.device)
@@ -73,9 +73,10 @@ class DraftModelDrafter(GrowsTrees):
         self.forwards = 0  # forwards of the last draft, its catching up excluded
         self.catching_up = False  # the forward now running feeds a prompt or steps this drafter sat out
         self.window = window
-        if prompts is None and rows_exact(model):  # a seeded request then draws the same whatever ran before it
-            prompts = PromptCache(DRAFT_PROMPT_CACHE_MB)
-        self.prompts = prompts
+        if prompts is None:  # exact rows only: a seeded request then draws the same whatever ran before it
+            prompts = PromptCache(DRAFT_PROMPT_CACHE_MB) if rows_exact(model) else False
+        self.prompts = prompts or None
+        self.has_prompts = prompts  # what forks get: the same cache, or False (not the module scan again)
         self.skipped = 0  # prompt tokens left out of its cache (between the sink and the window): cache slot
         # c >= SINK_TOKENS holds context token c + skipped
 
@@ -89,7 +90,7 @@ class DraftModelDrafter(GrowsTrees):
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.model, self.vocab_size, self.initial_len, self.min_confidence, self.width,
-                                 self.max_depth, self.expand, self.head_tokens, self.clock, self.window, self.prompts)
+                                 self.max_depth, self.expand, self.head_tokens, self.clock, self.window, self.has_prompts)
 
     def memories(self) -> list:
         return [] if self.prompts is None else [self.prompts]
