@@ -75,7 +75,7 @@ class DraftModelDrafter(GrowsTrees):
         self.window = window
         if prompts is None:  # exact rows only: a seeded request then draws the same whatever ran before it
             prompts = PromptCache(DRAFT_PROMPT_CACHE_MB) if rows_exact(model) else False
-        self.prompts = prompts or None
+        self.prompts = prompts if isinstance(prompts, PromptCache) else None
         self.has_prompts = prompts  # what forks get: the same cache, or False (not the module scan again)
         self.skipped = 0  # prompt tokens left out of its cache (between the sink and the window): cache slot
         # c >= SINK_TOKENS holds context token c + skipped
