@@ -94,12 +94,13 @@ def one_token(model, cache, token: torch.Tensor, decode: bool = True) -> torch.T
     return logits[0, -1]
 
 
-def prefill(model, cache, ids: torch.Tensor) -> torch.Tensor:
+def prefill(model, cache, ids: torch.Tensor, every_row: bool = False) -> torch.Tensor:
+    """The prompt `ids` into an emptied cache -> the last row's logits (every row's with `every_row`)."""
     cache.truncate(0)
     logits, _ = model(ids[None], torch.arange(ids.numel(), device=ids.device)[None], cache,
-                      chain_mask(0, ids.numel(), ids.device), logits_from=ids.numel() - 1)
+                      chain_mask(0, ids.numel(), ids.device), logits_from=0 if every_row else ids.numel() - 1)
     cache.truncate(ids.numel())
-    return logits[0, -1]
+    return logits[0] if every_row else logits[0, -1]
 
 
 # --- sections -----------------------------------------------------------------------------------------------
@@ -152,19 +153,12 @@ def parity(args, device) -> dict:
             with torch.inference_mode():
                 ref = h(ids[None]).logits[0].float()
                 cache = n.new_cache(1, 64)
-                got = [prefill_all(n, cache, ids[:24])]
+                got = [prefill(n, cache, ids[:24], every_row=True)]
                 for t in ids[24:]:
                     got.append(one_token(n, cache, t)[None])
                 got = torch.cat(got)
             out[f"{kind}/{str(dtype)[6:]}"] = float((got - ref).abs().max())
     return out
-
-
-def prefill_all(model, cache, ids):
-    logits, _ = model(ids[None], torch.arange(ids.numel(), device=ids.device)[None], cache,
-                      chain_mask(0, ids.numel(), ids.device))
-    cache.truncate(ids.numel())
-    return logits[0]
 
 
 def rows(args, device) -> dict:

@@ -81,8 +81,7 @@ class PromptCache:
         cache.k[:, :, :, :length] = best.k[:, :, :, :length]
         cache.v[:, :, :, :length] = best.v[:, :, :, :length]
         cache.truncate(length)
-        self.prompts.remove(best)
-        self.prompts.append(best)
+        self._used(best)
         return length
 
     def store(self, tokens: list[int], cache: KVCache) -> None:
@@ -94,8 +93,7 @@ class PromptCache:
         ids = np.asarray(tokens, dtype=np.int64)
         for prompt in self.prompts:
             if len(prompt.tokens) >= n and common_prefix(prompt.tokens, ids) == n:
-                self.prompts.remove(prompt)  # already kept, within a longer one: used now
-                self.prompts.append(prompt)
+                self._used(prompt)  # already kept, within a longer one
                 return
         k, v = cache.k[:, :, :, :n], cache.v[:, :, :, :n]  # views: a prompt too large for the cache is not copied
         if k.nbytes + v.nbytes + ids.nbytes > self.max_bytes:
@@ -105,6 +103,12 @@ class PromptCache:
         self.prompts.append(entry)
         while self.nbytes > self.max_bytes:
             self.prompts.pop(0)
+
+
+    def _used(self, prompt: _Prompt) -> None:
+        """`prompt` was used now: it leaves last."""
+        self.prompts.remove(prompt)
+        self.prompts.append(prompt)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

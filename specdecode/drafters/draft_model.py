@@ -76,7 +76,6 @@ class DraftModelDrafter(GrowsTrees):
         if prompts is None:  # exact rows only: a seeded request then draws the same whatever ran before it
             prompts = PromptCache(DRAFT_PROMPT_CACHE_MB) if rows_exact(model) else False
         self.prompts = prompts if isinstance(prompts, PromptCache) else None
-        self.has_prompts = prompts  # what forks get: the same cache, or False (not the module scan again)
         self.skipped = 0  # prompt tokens left out of its cache (between the sink and the window): cache slot
         # c >= SINK_TOKENS holds context token c + skipped
 
@@ -90,7 +89,8 @@ class DraftModelDrafter(GrowsTrees):
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.model, self.vocab_size, self.initial_len, self.min_confidence, self.width,
-                                 self.max_depth, self.expand, self.head_tokens, self.clock, self.window, self.has_prompts)
+                                 self.max_depth, self.expand, self.head_tokens, self.clock, self.window,
+                                 False if self.prompts is None else self.prompts)  # decided once: no rescan
 
     def memories(self) -> list:
         return [] if self.prompts is None else [self.prompts]
