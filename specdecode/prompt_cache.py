@@ -104,7 +104,6 @@ class PromptCache:
         while self.nbytes > self.max_bytes:
             self.prompts.pop(0)
 
-
     def _used(self, prompt: _Prompt) -> None:
         """`prompt` was used now: it leaves last."""
         self.prompts.remove(prompt)
