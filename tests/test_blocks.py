@@ -142,3 +142,23 @@ def test_a_build_killed_midway_does_not_block_the_next(tmp_path):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process's build waits for this one
     with open(tmp_path / "build.lock") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the build ends
+
+
+def test_the_prefetch_hint_follows_the_cpu_maker_and_can_be_chosen(monkeypatch):
+    """Non-temporal on AMD (and unknown makers), into L2 on Intel; SPECDECODE_PREFETCH overrides it, and a wrong
+    value is one clear error, not a build failure."""
+    import specdecode.kernels as k
+
+    monkeypatch.delenv("SPECDECODE_PREFETCH", raising=False)
+    maker = {"vendor_id": "AuthenticAMD"}
+    monkeypatch.setattr(k, "cpuinfo_field", lambda name: maker.get(name, ""))
+    assert k.prefetch_hint() == "nta"
+    maker["vendor_id"] = "GenuineIntel"
+    assert k.prefetch_hint() == "t1"
+    maker["vendor_id"] = ""
+    assert k.prefetch_hint() == "nta"
+    monkeypatch.setenv("SPECDECODE_PREFETCH", "t0")
+    assert k.prefetch_hint() == "t0"
+    monkeypatch.setenv("SPECDECODE_PREFETCH", "l1")
+    with pytest.raises(ValueError, match="SPECDECODE_PREFETCH"):
+        k.prefetch_hint()

@@ -30,22 +30,37 @@ SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "layer_cpu.h")]
 
 
-def cpu_model() -> str:
+def cpuinfo_field(name: str) -> str:
+    """The first value of `name` in /proc/cpuinfo ('' where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+def cpu_model() -> str:
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return cpuinfo_field("flags").split()
+
+
+# How the integer kernels ask for the weights ahead of use (_mm_prefetch hints), by the CPU's maker. Measured,
+# the 1.5B target's one-token forward, 2 threads: on a Zen 3 EPYC non-temporal was the fastest (BENCHMARKS.md,
+# "A step at the speed of memory"); on an Emerald Rapids Xeon it took 79 ms where into L2 (T1) took 43 ms
+# ("An AMX Xeon"). SPECDECODE_PREFETCH (nta, t0, t1, t2) overrides it, to compare.
+PREFETCH_HINTS = {"GenuineIntel": "t1"}
+
+
+def prefetch_hint() -> str:
+    hint = os.environ.get("SPECDECODE_PREFETCH") or PREFETCH_HINTS.get(cpuinfo_field("vendor_id"), "nta")
+    if hint not in ("nta", "t0", "t1", "t2"):
+        raise ValueError(f"SPECDECODE_PREFETCH={hint!r}: use one of nta, t0, t1, t2")
+    return hint
 
 
 @functools.cache
@@ -57,7 +72,8 @@ def build_key() -> tuple[str, list[str]]:
     # the same way. SPECDECODE_CPU_ARCH (e.g. x86-64-v3, AVX2 only) builds for a lesser CPU: to test the other paths
     # on this one.
     arch = os.environ.get("SPECDECODE_CPU_ARCH", "native")
-    flags = [f"-march={arch}", "-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp"]
+    flags = [f"-march={arch}", "-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp",
+             f"-DSPECDECODE_PREFETCH_HINT=_MM_HINT_{prefetch_hint().upper()}"]
     text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {cpu_flags()}".encode()
     return hashlib.sha256(text).hexdigest()[:12], flags
 

@@ -121,28 +121,29 @@ struct C16Acts {
 
 // The bytes of superblock `at`, asked for kAhead superblocks before use: without it a forward over several rows
 // pays the memory's latency on top of its arithmetic (its own loads run too few superblocks ahead to hide it).
-// Non-temporal (each line is used once), and spread over the sub-blocks, a share of the codes per sub-block,
-// rather than all at once: measured on the 1.5B target, 2 threads, ms for its linear layers at M = 1 / 4 / 8:
-// one superblock ahead into L1 at once 29 / - / 49; three ahead, non-temporal, at once 24 / 34 / 45; spread
-// 19 / 26 / 39. Prefetches never fault, so the last superblocks of a tensor may point past its end.
+// Spread over the sub-blocks, a share of the codes per sub-block, rather than all at once: measured on a Zen 3
+// EPYC, the 1.5B target, 2 threads, ms for its linear layers at M = 1 / 4 / 8: one superblock ahead into L1 at
+// once 29 / - / 49; three ahead, non-temporal, at once 24 / 34 / 45; spread 19 / 26 / 39. The hint (non-temporal
+// there, into L2 on Intel) is the build's, by the CPU's maker (simd.h). Prefetches never fault, so the last
+// superblocks of a tensor may point past its end.
 constexpr int kAhead = 3;
-using specdecode::prefetch_nta;
+using specdecode::prefetch_weights;
 
 template <int BITS, int nsub>  // scales, mins and d: once per superblock
 SPECDECODE_PREFETCHES void prefetch_scales(const C16Weight& w, int64_t at) {
-  for (int line = 0; line < nsub * 16 / 64; ++line) prefetch_nta(w.sc + at * nsub * 16 + line * 64);
-  prefetch_nta(w.d + at * 16);
+  for (int line = 0; line < nsub * 16 / 64; ++line) prefetch_weights(w.sc + at * nsub * 16 + line * 64);
+  prefetch_weights(w.d + at * 16);
   if constexpr (BITS != 6) {
-    for (int line = 0; line < nsub * 16 / 64; ++line) prefetch_nta(w.mn + at * nsub * 16 + line * 64);
-    prefetch_nta(w.dmin + at * 16);
+    for (int line = 0; line < nsub * 16 / 64; ++line) prefetch_weights(w.mn + at * nsub * 16 + line * 64);
+    prefetch_weights(w.dmin + at * 16);
   }
 }
 
 template <int BITS, int nsub>  // sub-block u's share of the codes' 32 (+ 16) lines
 SPECDECODE_PREFETCHES void prefetch_codes(const C16Weight& w, int64_t at, int u) {
-  for (int line = 0; line < 32 / nsub; ++line) prefetch_nta(w.lo + (at * 32 + u * (32 / nsub) + line) * 64);
+  for (int line = 0; line < 32 / nsub; ++line) prefetch_weights(w.lo + (at * 32 + u * (32 / nsub) + line) * 64);
   if constexpr (BITS > 4)
-    for (int line = 0; line < 16 / nsub; ++line) prefetch_nta(w.hi + (at * 16 + u * (16 / nsub) + line) * 64);
+    for (int line = 0; line < 16 / nsub; ++line) prefetch_weights(w.hi + (at * 16 + u * (16 / nsub) + line) * 64);
 }
 
 // Activation rows per pass over a channel group. AVX-512: 3 accumulators each, in 32 registers; AVX2: the int16
@@ -480,11 +481,11 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
     // The first superblocks of this thread's share, asked for at once (the tiles prefetch kAhead ahead of
     // themselves): a small layer would otherwise start each share at the memory's latency.
     for (int64_t at = first * w.nsb; at < std::min(last * w.nsb, first * w.nsb + kAhead); ++at) {
-      for (int line = 0; line < 32; ++line) prefetch_nta(w.lo + (at * 32 + line) * 64);
+      for (int line = 0; line < 32; ++line) prefetch_weights(w.lo + (at * 32 + line) * 64);
       if (w.hi != nullptr)
-        for (int line = 0; line < 16; ++line) prefetch_nta(w.hi + (at * 16 + line) * 64);
-      prefetch_nta(w.sc + at * (bits == 6 ? 16 : 8) * 16);
-      prefetch_nta(w.d + at * 16);
+        for (int line = 0; line < 16; ++line) prefetch_weights(w.hi + (at * 16 + line) * 64);
+      prefetch_weights(w.sc + at * (bits == 6 ? 16 : 8) * 16);
+      prefetch_weights(w.d + at * 16);
     }
     run_channel_groups(first, last, M, N, max_rows, yp, bp,
                        [&](int64_t cg, int64_t m, int64_t rows) { (*fns)[rows - 1](a, w, cg, m, yp, N); });

@@ -86,18 +86,18 @@ struct Acts {
   int64_t K;
 };
 
-// Block `at`'s bytes, asked for kAhead blocks (5-8 KB) before use, non-temporal: as quant_c16_cpu.cpp does and
-// for the same reasons; one line two blocks ahead left the draft model's one-token forward ~35% slower.
+// Block `at`'s bytes, asked for kAhead blocks (5-8 KB) before use, with the build's hint: as quant_c16_cpu.cpp
+// does and for the same reasons; one line two blocks ahead left the draft model's one-token forward ~35% slower.
 constexpr int kAhead = 16;
-using specdecode::prefetch_nta;
+using specdecode::prefetch_weights;
 
 template <int BITS, int OFF>
 SPECDECODE_PREFETCHES void prefetch_block(const Weight& w, int64_t at) {
   constexpr int lines = BITS == 8 ? 8 : 4;
-  for (int line = 0; line < lines; ++line) prefetch_nta(w.codes + (at * lines + line) * 64);
-  if constexpr (BITS == 5) prefetch_nta(w.hi + at * 64);
-  prefetch_nta(w.d + at * 16);
-  if constexpr (OFF == 0) prefetch_nta(w.dmin + at * 16);
+  for (int line = 0; line < lines; ++line) prefetch_weights(w.codes + (at * lines + line) * 64);
+  if constexpr (BITS == 5) prefetch_weights(w.hi + at * 64);
+  prefetch_weights(w.d + at * 16);
+  if constexpr (OFF == 0) prefetch_weights(w.dmin + at * 16);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -296,9 +296,9 @@ LinearWork linear_c16_legacy_work(const torch::Tensor& x, const torch::Tensor& c
     // themselves, and a small layer (the draft model's k, v, o) would otherwise start each share at the memory's
     // latency, block by block.
     for (int64_t at = first * w.nb; at < std::min(last * w.nb, first * w.nb + kAhead); ++at) {
-      for (int line = 0; line < lines; ++line) prefetch_nta(w.codes + (at * lines + line) * 64);
-      if (w.hi != nullptr) prefetch_nta(w.hi + at * 64);
-      prefetch_nta(w.d + at * 16);
+      for (int line = 0; line < lines; ++line) prefetch_weights(w.codes + (at * lines + line) * 64);
+      if (w.hi != nullptr) prefetch_weights(w.hi + at * 64);
+      prefetch_weights(w.d + at * 16);
     }
     run_channel_groups(first, last, M, N, kTile, yp, bp,
                        [&](int64_t cg, int64_t m, int64_t rows) { (*fns)[rows - 1](a, w, cg, m, yp, N); });

@@ -14,8 +14,14 @@ namespace specdecode {
 // drops its calls. Mark any function made of prefetches alone with this.
 #define SPECDECODE_PREFETCHES __attribute__((always_inline)) inline
 
-// Ask for the cache line at p, to be used once (non-temporal).
-SPECDECODE_PREFETCHES void prefetch_nta(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA); }
+// Ask for the cache line at p, weights read once per forward, with the hint the build chose for this CPU's
+// maker (kernels/__init__.py, prefetch_hint): non-temporal on AMD, into L2 on Intel.
+#ifndef SPECDECODE_PREFETCH_HINT
+#define SPECDECODE_PREFETCH_HINT _MM_HINT_NTA
+#endif
+SPECDECODE_PREFETCHES void prefetch_weights(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), SPECDECODE_PREFETCH_HINT);
+}
 
 // Eight bfloat16 values (the upper halves of float32) widened to float32.
 inline __m256 load_bf16x8(const uint16_t* p) {
