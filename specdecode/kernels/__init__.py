@@ -51,8 +51,8 @@ def cpu_flags() -> list[str]:
 
 # How the integer kernels ask for the weights ahead of use (_mm_prefetch hints), by the CPU's maker. Measured,
 # the 1.5B target's one-token forward, 2 threads: on a Zen 3 EPYC non-temporal was the fastest (BENCHMARKS.md,
-# "A step at the speed of memory"); on an Emerald Rapids Xeon it took 79 ms where into L2 (T1) took 43 ms
-# ("An AMX Xeon"). SPECDECODE_PREFETCH (nta, t0, t1, t2) overrides it, to compare.
+# "A step at the speed of memory"); on an Emerald Rapids Xeon it took 77 ms where into L2 (T1) took 42-44 ms
+# ("The AMX Xeon is memory-bound after all"). SPECDECODE_PREFETCH (nta, t0, t1, t2) overrides it, to compare.
 PREFETCH_HINTS = {"GenuineIntel": "t1"}
 
 
