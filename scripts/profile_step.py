@@ -31,13 +31,12 @@ from pathlib import Path
 import torch
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.kernels import cpu_flags, cpu_kernels, cpu_model
+from specdecode.kernels import cpu_kernels, cpu_model, prefetch_hint, simd_flags
 from specdecode.loading import load_model
 from specdecode.masks import chain_mask
 from specdecode.model import Part  # not chain_part: the script also profiles checkouts from before it
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
 
 
 # --- the machine ---------------------------------------------------------------------------------------------
@@ -336,8 +335,9 @@ def main() -> None:
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
 
-    flags = [f for f in FLAGS_SHOWN if f in cpu_flags()]
-    print(f"{cpu_model()} ({', '.join(flags)}), {torch.get_num_threads()} threads, torch {torch.__version__}")
+    flags = simd_flags()
+    print(f"{cpu_model()} ({', '.join(flags)}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"kernel prefetch {prefetch_hint()}")
     bw = read_bandwidth()
     kernels = cpu_kernels()
     region_s = kernels.parallel_region_seconds(2000) if hasattr(kernels, "parallel_region_seconds") else 0.0

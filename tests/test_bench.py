@@ -94,7 +94,8 @@ def test_every_method_runs_and_json_has_the_schema(bench_run) -> None:
     assert report["schema_version"] == 1
     assert list(report["methods"]) == METHODS
     assert set(report["categories"]) == {"mixed", "writing"} and report["datasets"] == ["mixed"]
-    for key in ("command", "cpu", "cpu_cores", "torch", "torch_threads", "date", "git_commit"):
+    for key in ("command", "cpu", "cpu_flags", "kernel_prefetch", "cpu_cores", "torch", "torch_threads", "date",
+                "git_commit"):
         assert key in report["machine"]
     assert report["settings"]["dtype"] == "float32" and report["settings"]["greedy"] is True
     for name, m in report["methods"].items():
@@ -128,6 +129,7 @@ def test_greedy_outputs_agree_across_methods_and_with_transformers(bench_run) ->
 def test_table_and_plots_are_written(bench_run) -> None:
     report, stdout, out = bench_run
     assert "| method |" in stdout and "Speedup vs none by category" in stdout
+    assert f"Machine: {report['machine']['cpu']} (" in stdout  # every figure names what it ran on
     for name in report["methods"]:
         assert f"| {name} |" in stdout
     for suffix in ("speedup", "acceptance"):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specdecode.kernels import cpu_model
+from specdecode.kernels import cpu_model, prefetch_hint, simd_flags
 
 
 def machine_info(device: str, argv: list[str]) -> dict[str, Any]:
@@ -25,6 +25,8 @@ def machine_info(device: str, argv: list[str]) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(argv),
         "cpu": cpu_model(),
+        "cpu_flags": simd_flags(),
+        "kernel_prefetch": prefetch_hint(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),

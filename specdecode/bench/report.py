@@ -96,6 +96,17 @@ def _run_record(run: Run) -> dict[str, Any]:
     }
 
 
+def _machine_line(machine: dict[str, Any]) -> list[str]:
+    """What the figures ran on, named beside them: the CPU, the flags that pick its kernels, threads, the GPU."""
+    if not machine.get("cpu"):
+        return []
+    flags = ", ".join(machine.get("cpu_flags") or []) or "no SIMD flags read"
+    prefetch = f"; kernel prefetch {machine['kernel_prefetch']}" if machine.get("kernel_prefetch") else ""
+    gpu = f"; GPU {machine['gpu']}" if machine.get("gpu") else ""
+    return [f"Machine: {machine['cpu']} ({flags}), {machine.get('torch_threads')} threads{prefetch}{gpu}; "
+            f"torch {machine.get('torch')}, commit {machine.get('git_commit')}.", ""]
+
+
 def markdown(report: dict[str, Any]) -> str:
     s, methods = report["settings"], report["methods"]
     mode = "greedy" if s["greedy"] else (
@@ -107,6 +118,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"## specdecode bench: {s['target']} (draft {s['draft']}), {s['dtype']} on {s['device']}{stored}{quantized}",
         "",
+        *_machine_line(report.get("machine", {})),
         f"{mode}, max {s['max_new_tokens']} new tokens, {_count(report)} prompts x {s['repeats']} repeats; "
         f"{s['order']}. Speedups are tokens/s ratios on the same prompts.",
         "",

@@ -49,6 +49,15 @@ def cpu_flags() -> list[str]:
     return cpuinfo_field("flags").split()
 
 
+# The flags that decide which kernel paths run: what a speed figure names beside the CPU.
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
+
+
+def simd_flags() -> list[str]:
+    here = set(cpu_flags())
+    return [flag for flag in SIMD_FLAGS if flag in here]
+
+
 # How the integer kernels ask for the weights ahead of use (_mm_prefetch hints), by the CPU's maker. Measured,
 # the 1.5B target's one-token forward, 2 threads: on a Zen 3 EPYC non-temporal was the fastest (BENCHMARKS.md,
 # "A step at the speed of memory"); on an Emerald Rapids Xeon it took 77 ms where into L2 (T1) took 42-44 ms
