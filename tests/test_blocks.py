@@ -148,6 +148,7 @@ def test_the_prefetch_hint_follows_the_cpu_maker_and_can_be_chosen(monkeypatch):
     """Non-temporal on AMD (and unknown makers), into L2 on Intel; SPECDECODE_PREFETCH overrides it, and a wrong
     value is one clear error, not a build failure."""
     import specdecode.kernels as k
+    from specdecode.errors import SpecdecodeError
 
     monkeypatch.delenv("SPECDECODE_PREFETCH", raising=False)
     maker = {"vendor_id": "AuthenticAMD"}
@@ -160,5 +161,5 @@ def test_the_prefetch_hint_follows_the_cpu_maker_and_can_be_chosen(monkeypatch):
     monkeypatch.setenv("SPECDECODE_PREFETCH", "t0")
     assert k.prefetch_hint() == "t0"
     monkeypatch.setenv("SPECDECODE_PREFETCH", "l1")
-    with pytest.raises(ValueError, match="SPECDECODE_PREFETCH"):
+    with pytest.raises(SpecdecodeError, match="SPECDECODE_PREFETCH"):
         k.prefetch_hint()

@@ -25,6 +25,8 @@ from types import ModuleType
 
 import torch
 
+from specdecode.errors import SpecdecodeError
+
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "argmax_cpu.cpp", "layer_cpu.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "layer_cpu.h")]
@@ -68,7 +70,7 @@ PREFETCH_HINTS = {"GenuineIntel": "t1"}
 def prefetch_hint() -> str:
     hint = os.environ.get("SPECDECODE_PREFETCH") or PREFETCH_HINTS.get(cpuinfo_field("vendor_id"), "nta")
     if hint not in ("nta", "t0", "t1", "t2"):
-        raise ValueError(f"SPECDECODE_PREFETCH={hint!r}: use one of nta, t0, t1, t2")
+        raise SpecdecodeError(f"SPECDECODE_PREFETCH={hint!r}: use one of nta, t0, t1, t2 (or leave it unset)")
     return hint
 
 
