@@ -55,8 +55,8 @@ def _draft_model(models: Models, tree: bool, max_ngram: int) -> Drafter:
     # A tree feeds only the best node of each depth (TREE_EXPAND): its siblings are leaves that cost no draft
     # forward, only the verify rows the planner finds worth their cost, so where verify rows are cheap they catch
     # some of the chain's misses for free. Measured on the AMX Xeon (BENCHMARKS.md, "Draft trees by default"):
-    # `draft` 1.43x vs 1.41x `none` as a chain on the dev sets, `hybrid` 1.74x vs 1.62x, and 1.02x vs 0.97x on
-    # other kinds of work. Where rows are dear the planner keeps few siblings and the tree drafts as a chain.
+    # `hybrid` 1.48x vs 1.43x `none` as a chain on the dev sets, 1.02x vs 0.97x on other kinds of work; `draft`
+    # 1.43x vs 1.41x. Where rows are dear the planner keeps few siblings and the tree drafts as a chain.
     if models.draft_bridge is not None:  # another tokenizer: a greedy chain in its own tokens, mapped as text
         inner = DraftModelDrafter(models.draft, vocab_size=len(models.draft_bridge.draft),
                                   min_confidence=DRAFT_MIN_CONFIDENCE, head_tokens=models.draft_head_tokens)
