@@ -44,7 +44,7 @@ DRAFT_WINDOW = 128
 COPY_MIN_SCORE = 0.5  # hybrid, fixed size: copy when the first copied token is at least an even bet (not swept)
 # P(a draft model's next guess is accepted | the guess it follows was), for one more draft forward's worth:
 # 0.83 measured on the dev sets; weighing the best child at 0.8 instead of as a sure thing cut the drafted tokens
-# that lose on other kinds of work (1.17x vs 1.11x `none`; on other prompts of those kinds 1.15x vs 1.06x), and
+# that lose on other kinds of work (1.17x vs 1.11x `none`; on unused prompts of those kinds 1.15x vs 1.06x), and
 # was level to 2.7% ahead on the dev sets; 0.6 cut good drafts there (1.32x vs 1.41x) ("Draft trees by default").
 FOLLOW = 0.8
 PRIOR_SPEEDUP = 1.3  # hybrid: the model's value before its first step, x a one-token forward's rate ("Hybrid drafter")
