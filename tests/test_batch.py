@@ -11,6 +11,7 @@ import specdecode.engine as engine_module
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
@@ -91,10 +92,12 @@ def test_greedy_output_is_the_same_batched_or_alone(target, draft, monkeypatch, 
 
 
 @needs_kernels
-def test_hybrid_drafters_in_a_batch_give_the_plain_output(target, draft):
+@pytest.mark.parametrize("tree", [False, True])
+def test_hybrid_drafters_in_a_batch_give_the_plain_output(target, draft, tree):
     """Requests whose drafters switch between copying and the draft model (whose forwards are batched only in
-    the steps they draft with it) still give plain decoding's tokens."""
-    make = cycle(lambda: HybridDrafter(DraftModelDrafter(draft, vocab_size=64)))
+    the steps they draft with it) still give plain decoding's tokens, with chains and with the default tree."""
+    shape = {"width": TREE_WIDTH, "expand": TREE_EXPAND} if tree else {}
+    make = cycle(lambda: HybridDrafter(DraftModelDrafter(draft, vocab_size=64, **shape)))
     requests = [(prompt, SamplingParams(max_new_tokens=24)) for prompt in PROMPTS]
     together = run_batch(Engine(target, make, None, costs=CPU_LIKE), requests, arrivals=[0, 1, 1, 3])
     for (prompt, params), out in zip(requests, together):

@@ -6,6 +6,7 @@ import torch
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
 from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.drafters.suffix import SuffixDrafter
@@ -74,6 +75,11 @@ def drafters(target):
         "self-draft": DraftModelDrafter(target, vocab_size=64),
         "hybrid": HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64)),
         "hybrid-tree": HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, width=2)),
+        # the default shape of `draft` and `hybrid`: the best node of each depth fed, its siblings left as leaves
+        "draft-model-tree-leaves": DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64, width=TREE_WIDTH,
+                                                     expand=TREE_EXPAND),
+        "hybrid-tree-leaves": HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64,
+                                                              width=TREE_WIDTH, expand=TREE_EXPAND)),
         "always-right": ScriptedDrafter(lambda toks, k: full[len(toks): len(toks) + k]),
         "always-wrong": ScriptedDrafter(lambda toks, k: [(full[len(toks) + i] + 1) % 64 for i in range(k)]),
         "empty": ScriptedDrafter(lambda toks, k: []),
@@ -203,12 +209,14 @@ def test_sampling_with_seed_is_reproducible(target):
     assert run(engine, PROMPT, params) == run(engine, PROMPT, params)
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree", "ngram-tree", "subset-head-tree", "chain-auto", "tree-auto"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "ngram-tree", "subset-head-tree", "chain-auto", "tree-auto",
+                                   "hybrid-leaves-auto"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_new_tokens=3),
                                     SamplingParams(temperature=0.6, top_k=3, max_new_tokens=3)])
 def test_whole_loop_output_distribution_is_the_targets(params, shape):
     """Real engine, EOS and the token budget landing inside drafts; chi-by-L1 bound. Drafters: a draft model's
-    chain, its tree (siblings drawn without replacement), and n-gram trees (point-mass siblings)."""
+    chain, its tree (siblings drawn without replacement), n-gram trees (point-mass siblings), and `hybrid` over a
+    tree whose siblings stay leaves (the default shape)."""
     vocab, eos, trials = 4, 3, 6000
     target_chain, draft_chain = random_chain(vocab, 10), random_chain(vocab, 11, sharpness=2.0)
     transformed = torch.stack([torch.as_tensor(p) for p in
@@ -221,6 +229,8 @@ def test_whole_loop_output_distribution_is_the_targets(params, shape):
     elif shape == "subset-head-tree":  # the draft can only propose tokens 0 and 2: q is the renormalised subset
         draft = BigramModel(draft_chain[:, [0, 2]] / draft_chain[:, [0, 2]].sum(-1, keepdim=True))
         drafter = DraftModelDrafter(draft, vocab_size=vocab, width=2, head_tokens=torch.tensor([0, 2]))
+    elif shape == "hybrid-leaves-auto":
+        drafter = HybridDrafter(DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=2, expand=1))
     else:
         drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=1 if "chain" in shape else 2)
     # "-auto": the size is chosen per step from a steep cost curve, so drafts get cut: what is cut must never
