@@ -79,10 +79,11 @@ def test_every_row_is_computed_as_if_alone(type_name, out):
     """Batch invariance, bit for bit: the property that makes a verify forward equal one-token forwards."""
     torch.manual_seed(1)
     layer = QuantLinear(packed(type_name, out=out, inp=512, seed=1), torch.randn(out), kernels)
-    x = torch.randn(19, 512)
-    singles = torch.cat([layer(x[j : j + 1]) for j in range(19)])
-    # every tile width and a remainder; up to 4 rows, AVX2 runs both channel halves in one pass
-    for rows in (2, 3, 4, 5, 8, 9, 16, 19):
+    x = torch.randn(70, 512)
+    singles = torch.cat([layer(x[j : j + 1]) for j in range(70)])
+    # every tile width and a remainder; up to 4 rows, AVX2 runs both channel halves in one pass; from 16 rows
+    # Q4_K runs on AMX tile products where the CPU has them (one or two 16-row tiles, the rest on the VNNI tile)
+    for rows in (2, 3, 4, 5, 8, 9, 16, 19, 32, 37, 70):
         assert torch.equal(layer(x[:rows]), singles[:rows])
 
 
@@ -100,7 +101,7 @@ def test_the_largest_codes_and_activations_do_not_overflow(type_name, fill):
     w = from_gguf(type_name, raw.reshape(48, -1), (48, 512))
     layer = QuantLinear(w, None, kernels)
     signs = torch.tensor([1.0, -1.0]).repeat(256)
-    x = torch.stack([torch.ones(512), -torch.ones(512), signs, -signs])
+    x = torch.stack([torch.ones(512), -torch.ones(512), signs, -signs]).repeat(8, 1)  # 32 rows: AMX's tiles too
     ref = integer_reference(x, w)
     assert torch.allclose(layer(x).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
 
@@ -127,6 +128,20 @@ def test_the_kernels_build_wherever_they_can():
 
     if {"avx2", "fma"} <= set(cpu_flags()) and (shutil.which("c++") or shutil.which("g++")):
         assert kernels is not None
+
+
+@needs_kernel
+def test_amx_runs_where_the_cpu_has_it():
+    """On a CPU with AMX the row tests above run its tile products: a build or a system that silently fell back
+    to the VNNI tile would leave that path untested."""
+    import os
+
+    from specdecode.kernels import cpu_flags
+
+    if {"amx_tile", "amx_int8"} <= set(cpu_flags()) and os.environ.get("SPECDECODE_AMX") != "0":
+        assert kernels.amx_min_rows() > 0
+    else:
+        assert kernels.amx_min_rows() == 0
 
 
 def test_a_build_killed_midway_does_not_block_the_next(tmp_path):

@@ -25,9 +25,16 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -117,6 +124,8 @@ struct C16Acts {
   const float* xd;       // [M, K / 256]
   const int32_t* pairs;  // [M, K / G / 2]: int16 sums of the codes of sub-blocks 2 u and 2 u + 1
   int64_t K;
+  const int8_t* tiles = nullptr;  // AMX: the codes of every whole 16 rows as tile operands (pack_tiles)
+  int64_t blocks = 0;             // AMX: whole 16 rows
 };
 
 // The bytes of superblock `at`, asked for kAhead superblocks before use: without it a forward over several rows
@@ -406,6 +415,269 @@ void joint_tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, fl
 }
 #endif
 
+// AMX on or off for this process: SPECDECODE_AMX=0 at start, or set_amx (an A/B of the two in one process).
+std::atomic<bool> amx_wanted{[] {
+  const char* env = std::getenv("SPECDECODE_AMX");
+  return env == nullptr || std::string(env) != "0";
+}()};
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VNNI__)
+// Q4_K and Q6_K forwards of many rows (a prompt) on AMX: tile products of 16 rows x 16 channels x 64 weights. A
+// tile's depth spans two 32-weight sub-blocks, so the sub-block scales go into the weights, split in two to stay
+// bytes: for Q4_K scale = 8 hi + lo (hi, lo <= 7, code x either <= 105), and the sum over a superblock is (codes x
+// lo) + 8 x (codes x hi), the same exact integer the VNNI tile sums sub-block by sub-block (Q6_K: four products,
+// below). The min terms and the float steps are the VNNI tile's, in its order, so every row is bit for bit what
+// that tile (and a one-row forward) gives. Each superblock of a channel group is unpacked once for all the rows.
+constexpr bool kAmxKernel = true;
+constexpr int64_t kAmxMinRows = 16;  // fewer: the VNNI tile alone (one tile product costs about what 8 VNNI rows do)
+
+// Linux gives a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile state is per thread: every tile 16 rows of 64 bytes (int8 [16, 64] operands, int32 [16, 16] sums).
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+// The activation codes of rows [16 b, 16 b + 16) for superblock sb and depth (64 codes) as one 1 KB tile operand,
+// [K / 256, M / 16, 4, 16, 64]: the tile products of a superblock stream them in order. Loaded from the row-major
+// codes (16 rows 1.5-9 KB apart) the same tiles took ~20% longer in a microbenchmark, and asking for the next ones
+// ahead took off more.
+void pack_tiles(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
+  const int64_t blocks = M / 16;
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b)
+      for (int64_t sb = 0; sb < K / 256; ++sb)
+        for (int depth = 0; depth < 4; ++depth)
+          for (int r = 0; r < 16; ++r)
+            std::memcpy(out + (((sb * blocks + b) * 4 + depth) * 16 + r) * 64, q + (16 * b + r) * K + sb * 256 + depth * 64, 64);
+  });
+}
+
+inline const int8_t* a_tile(const C16Acts& a, int64_t m0, int64_t sb, int depth) {
+  return a.tiles + ((sb * a.blocks + m0 / 16) * 4 + depth) * 1024;
+}
+
+// The tile operands of the `count` 16-row blocks after the ones at `tiles` (4 KB each), asked for ahead
+inline void prefetch_next_tiles(const int8_t* tiles, int count) {
+  for (int line = 0; line < 64 * count; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(tiles + 4096 * count + line * 64), _MM_HINT_T0);
+}
+
+// The low byte of a 16-bit product depends on the operands' low bytes only, and these products fit a byte: so
+// even bytes multiply in place and odd ones one byte up, signed or not.
+inline __m512i byte_products(__m512i x, __m512i even_y, __m512i odd_y) {
+  const __m512i low_bytes = _mm512_set1_epi16(0x00FF), high_bytes = _mm512_set1_epi16(static_cast<int16_t>(0xFF00));
+  return _mm512_or_si512(_mm512_and_si512(_mm512_mullo_epi16(x, even_y), low_bytes),
+                         _mm512_mullo_epi16(_mm512_and_si512(x, high_bytes), odd_y));
+}
+
+// Superblock sb of channel group cg, its codes x split scales per depth and half: the B operands, rows of 4 weights
+// of 16 channels (what the packed `lo` vectors already hold, a nibble each).
+void unpack_q4k(const C16Weight& w, int64_t cg, int64_t sb, uint8_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi8(0x07), low_bytes = _mm512_set1_epi16(0x00FF);
+  const __m512i spread = _mm512_set1_epi32(0x01010101);
+  const int64_t at = cg * w.nsb + sb;
+  const uint8_t* lo = w.lo + at * 32 * 64;
+  const int8_t* sc = w.sc + at * 8 * 16;
+  for (int u = 0; u < 8; ++u) {
+    // the sub-block's scale of each channel in the 4 bytes of its lane, then its two 3-bit halves
+    const __m512i s = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + u * 16))), spread);
+    const __m512i halves[2] = {_mm512_and_si512(s, seven), _mm512_and_si512(_mm512_srli_epi16(s, 3), seven)};
+    for (int h = 0; h < 2; ++h) {
+      const __m512i even_scale = _mm512_and_si512(halves[h], low_bytes), odd_scale = _mm512_srli_epi16(halves[h], 8);
+      for (int j = 8 * u; j < 8 * u + 8; ++j) {  // chunk j: 4 weights of 16 channels
+        const __m512i packed = _mm512_loadu_si512(lo + (j / 2) * 64);
+        const __m512i codes = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, low4);
+        _mm512_storeu_si512(out + ((j / 16) * 2 + h) * 1024 + (j % 16) * 64, byte_products(codes, even_scale, odd_scale));
+      }
+    }
+  }
+}
+
+// Rows [m0, m0 + 16 ROW_TILES) of channel group cg, superblock sb's share, from its unpacked weights `b`: the
+// VNNI tile's float steps for that superblock, its running sums kept in `acc` [rows, 16] between superblocks (from
+// zero at the first, as the VNNI tile's registers start). In y, 16 floats of a row each on its own page, the
+// running sums cost a TLB miss a row and superblock.
+template <int ROW_TILES>
+void amx_q4k_rows(const C16Acts& a, const C16Weight& w, const uint8_t* b, int64_t cg, int64_t sb, int64_t m0,
+                  float* acc_rows) {
+  alignas(64) int32_t sums[ROW_TILES][2][16][16];
+  _tile_zero(4);
+  _tile_zero(5);
+  if constexpr (ROW_TILES == 2) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  prefetch_next_tiles(a_tile(a, m0, sb, 0), ROW_TILES);
+  for (int depth = 0; depth < 4; ++depth) {
+    _tile_loadd(0, a_tile(a, m0, sb, depth), 64);
+    _tile_loadd(1, b + (depth * 2) * 1024, 64);
+    _tile_loadd(2, b + (depth * 2 + 1) * 1024, 64);
+    _tile_dpbssd(4, 0, 1);
+    _tile_dpbssd(5, 0, 2);
+    if constexpr (ROW_TILES == 2) {
+      _tile_loadd(3, a_tile(a, m0 + 16, sb, depth), 64);
+      _tile_dpbssd(6, 3, 1);
+      _tile_dpbssd(7, 3, 2);
+    }
+  }
+  _tile_stored(4, sums[0][0], 64);
+  _tile_stored(5, sums[0][1], 64);
+  if constexpr (ROW_TILES == 2) {
+    _tile_stored(6, sums[1][0], 64);
+    _tile_stored(7, sums[1][1], 64);
+  }
+  const int64_t at = cg * w.nsb + sb;
+  const __m512 d = load_f16x16(w.d + at * 16), dmin = load_f16x16(w.dmin + at * 16);
+  __m512i mins[4];
+  for (int p = 0; p < 4; ++p)
+    mins[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mn + (at * 4 + p) * 32)));
+  for (int t = 0; t < ROW_TILES * 16; ++t) {
+    const int32_t* pairs = a.pairs + (m0 + t) * (a.K / 64) + sb * 4;
+    const __m512i isum = _mm512_add_epi32(_mm512_load_si512(sums[t / 16][0][t % 16]),
+                                          _mm512_slli_epi32(_mm512_load_si512(sums[t / 16][1][t % 16]), 3));
+    __m512i imin = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) imin = _mm512_dpwssd_epi32(imin, mins[p], _mm512_set1_epi32(pairs[p]));
+    const __m512 xd = _mm512_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb]);
+    float* out = acc_rows + (m0 + t) * 16;
+    __m512 acc = sb == 0 ? _mm512_setzero_ps() : _mm512_load_ps(out);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, xd), acc);
+    _mm512_store_ps(out, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, xd), acc));
+  }
+}
+
+// Q6_K: codes c = code - 32 in [-32, 31] and signed 8-bit sub-block scales s (16 weights each), so c x s needs up
+// to 13 bits. Both split in two, c = c_lo + 8 c_hi (c_lo in [0, 7], c_hi in [-4, 3]) and s = s_lo + 16 s_hi
+// (s_lo in [0, 15], s_hi in [-8, 7]), make four byte products that fit: sum = P(c_lo s_lo) + 16 P(c_lo s_hi)
+// + 8 P(c_hi s_lo) + 128 P(c_hi s_hi), exactly the VNNI tile's sum of scale x (code sums - 32 x activation sums).
+constexpr int64_t kQ6UnpackedPerSuperblock = 16384;  // 4 depths x 4 products x [16 rows, 64 bytes]
+
+void unpack_q6k(const C16Weight& w, int64_t cg, int64_t sb, uint8_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30), seven = _mm512_set1_epi8(0x07);
+  const __m512i four = _mm512_set1_epi8(4), low_bytes = _mm512_set1_epi16(0x00FF);
+  const __m512i spread = _mm512_set1_epi32(0x01010101), byte = _mm512_set1_epi32(0xFF);
+  const int64_t at = cg * w.nsb + sb;
+  const uint8_t* lo = w.lo + at * 32 * 64;
+  const uint8_t* hi = w.hi + at * 16 * 64;
+  const int8_t* sc = w.sc + at * 16 * 16;
+  for (int u = 0; u < 16; ++u) {
+    const __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + u * 16)));
+    const __m512i halves[2] = {_mm512_mullo_epi32(_mm512_and_si512(s, _mm512_set1_epi32(15)), spread),
+                               _mm512_mullo_epi32(_mm512_and_si512(_mm512_srai_epi32(s, 4), byte), spread)};
+    __m512i even[2], odd[2];
+    for (int h = 0; h < 2; ++h) even[h] = _mm512_and_si512(halves[h], low_bytes), odd[h] = _mm512_srli_epi16(halves[h], 8);
+    for (int j = 4 * u; j < 4 * u + 4; ++j) {  // chunk j: 4 weights of 16 channels, as the VNNI tile builds them
+      const __m512i packed = _mm512_loadu_si512(lo + (j / 2) * 64);
+      __m512i codes = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, low4);
+      const __m512i high = _mm512_loadu_si512(hi + (j / 4) * 64);
+      const int f = j % 4;
+      const __m512i moved = f == 0 ? _mm512_slli_epi16(high, 4) : f == 1 ? _mm512_slli_epi16(high, 2)
+                            : f == 2 ? high : _mm512_srli_epi16(high, 2);
+      codes = _mm512_ternarylogic_epi32(codes, moved, bits45, 0xF8);  // a | (b & c)
+      const __m512i c_lo = _mm512_and_si512(codes, seven);
+      const __m512i c_hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(codes, 3), seven), four);
+      uint8_t* d = out + (j / 16) * 4 * 1024 + (j % 16) * 64;
+      _mm512_storeu_si512(d, byte_products(c_lo, even[0], odd[0]));
+      _mm512_storeu_si512(d + 1024, byte_products(c_lo, even[1], odd[1]));
+      _mm512_storeu_si512(d + 2048, byte_products(c_hi, even[0], odd[0]));
+      _mm512_storeu_si512(d + 3072, byte_products(c_hi, even[1], odd[1]));
+    }
+  }
+}
+
+// Rows [m0, m0 + 16) of channel group cg of a Q6_K layer, superblock sb's share (as amx_q4k_rows).
+void amx_q6k_rows(const C16Acts& a, const C16Weight& w, const uint8_t* b, int64_t cg, int64_t sb, int64_t m0,
+                  float* acc_rows) {
+  alignas(64) int32_t sums[4][16][16];
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  prefetch_next_tiles(a_tile(a, m0, sb, 0), 1);
+  for (int depth = 0; depth < 4; ++depth) {
+    _tile_loadd(0, a_tile(a, m0, sb, depth), 64);
+    const uint8_t* bd = b + depth * 4 * 1024;
+    _tile_loadd(1, bd, 64);
+    _tile_dpbssd(4, 0, 1);
+    _tile_loadd(2, bd + 1024, 64);
+    _tile_dpbssd(5, 0, 2);
+    _tile_loadd(1, bd + 2048, 64);
+    _tile_dpbssd(6, 0, 1);
+    _tile_loadd(2, bd + 3072, 64);
+    _tile_dpbssd(7, 0, 2);
+  }
+  _tile_stored(4, sums[0], 64);
+  _tile_stored(5, sums[1], 64);
+  _tile_stored(6, sums[2], 64);
+  _tile_stored(7, sums[3], 64);
+  const __m512 d = load_f16x16(w.d + (cg * w.nsb + sb) * 16);
+  for (int t = 0; t < 16; ++t) {
+    __m512i isum = _mm512_add_epi32(_mm512_load_si512(sums[0][t]), _mm512_slli_epi32(_mm512_load_si512(sums[1][t]), 4));
+    isum = _mm512_add_epi32(isum, _mm512_slli_epi32(_mm512_load_si512(sums[2][t]), 3));
+    isum = _mm512_add_epi32(isum, _mm512_slli_epi32(_mm512_load_si512(sums[3][t]), 7));
+    float* out = acc_rows + (m0 + t) * 16;
+    const __m512 acc = sb == 0 ? _mm512_setzero_ps() : _mm512_load_ps(out);
+    _mm512_store_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                          _mm512_mul_ps(d, _mm512_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb])), acc));
+  }
+}
+
+// Channel groups [first, last) of a Q4_K or Q6_K layer, all M rows: AMX for whole 16-row tiles, `rest` (the VNNI
+// tile) for the last rows, then the bias as run_channel_groups adds it. Superblock by superblock, each one's
+// unpacked weights (8 or 16 KB) stay in L1 while every row's tiles stream past them.
+template <typename Rest>
+void amx_groups(const C16Acts& a, const C16Weight& w, int bits, int64_t first, int64_t last, int64_t M, int64_t N,
+                float* y, const float* bias, Rest&& rest) {
+  alignas(64) static thread_local uint8_t b[kQ6UnpackedPerSuperblock];
+  static thread_local std::vector<float> acc_buffer;
+  const int64_t whole = M / 16 * 16;
+  if (acc_buffer.size() < static_cast<size_t>(whole * 16 + 16)) acc_buffer.resize(whole * 16 + 16);
+  float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc_buffer.data()) + 63) & ~uintptr_t{63});
+  configure_tiles();
+  for (int64_t cg = first; cg < last; ++cg) {
+    for (int64_t sb = 0; sb < w.nsb; ++sb) {
+      if (bits == 4) {
+        unpack_q4k(w, cg, sb, b);
+        int64_t m = 0;
+        for (; m + 32 <= whole; m += 32) amx_q4k_rows<2>(a, w, b, cg, sb, m, acc);
+        if (m < whole) amx_q4k_rows<1>(a, w, b, cg, sb, m, acc);
+      } else {
+        unpack_q6k(w, cg, sb, b);
+        for (int64_t m = 0; m < whole; m += 16) amx_q6k_rows(a, w, b, cg, sb, m, acc);
+      }
+    }
+    for (int64_t m = 0; m < whole; ++m) _mm512_storeu_ps(y + m * N + cg * 16, _mm512_load_ps(acc + m * 16));
+    for (int64_t m = whole; m < M; m += kTile) rest(cg, m, std::min<int64_t>(kTile, M - m));
+    if (bias == nullptr) continue;
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = cg * 16; c < cg * 16 + 16; ++c) y[r * N + c] += bias[c];
+  }
+  _tile_release();
+}
+#else
+constexpr bool kAmxKernel = false;
+constexpr int64_t kAmxMinRows = 0;
+void pack_tiles(const int8_t*, int64_t, int64_t, int8_t*) {}
+bool amx_granted() { return false; }
+template <typename Rest>
+void amx_groups(const C16Acts&, const C16Weight&, int, int64_t, int64_t, int64_t, int64_t, float*, const float*,
+                Rest&&) {}
+#endif
+
 using TileFn = void (*)(const C16Acts&, const C16Weight&, int64_t, int64_t, float*, int64_t);
 
 template <int BITS, int G, int... T>
@@ -465,8 +737,14 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
     quantize_acts(x.data_ptr<float>(), M, K, G, quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(),
                   quantized[2].data_ptr<int32_t>());
   }
+  // A prompt's rows of a Q4_K or Q6_K layer on AMX, where the CPU has it (bit-identical rows: see amx_q4k_rows)
+  const bool amx = kAmxKernel && bits != 5 && M >= kAmxMinRows && amx_wanted.load() && amx_granted();
+  if (amx && quantized.size() == 3) {
+    quantized.push_back(torch::empty({M / 16 * 16, K}, x.options().dtype(torch::kInt8)));
+    pack_tiles(quantized[0].data_ptr<int8_t>(), M, K, quantized[3].data_ptr<int8_t>());
+  }
   const C16Acts a{quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(), quantized[2].data_ptr<int32_t>(),
-                  K};
+                  K, amx ? quantized[3].data_ptr<int8_t>() : nullptr, M / 16};
   const auto* d16 = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const auto* m16 = dmin.numel() ? reinterpret_cast<const uint16_t*>(dmin.data_ptr<at::Half>()) : nullptr;
   const C16Weight w{lo.data_ptr<uint8_t>(), hi.numel() ? hi.data_ptr<uint8_t>() : nullptr, sc.data_ptr<int8_t>(),
@@ -477,7 +755,7 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
   LinearWork work;
   work.units = ng;
   // the tensors behind `a` and `w` are held by the caller (the activations by `acts`) until the work is done
-  work.run = [a, w, fns = &fns, M, N, yp, bp, bits, max_rows](int64_t first, int64_t last) {
+  work.run = [a, w, fns = &fns, M, N, yp, bp, bits, max_rows, amx](int64_t first, int64_t last) {
     // The first superblocks of this thread's share, asked for at once (the tiles prefetch kAhead ahead of
     // themselves): a small layer would otherwise start each share at the memory's latency.
     for (int64_t at = first * w.nsb; at < std::min(last * w.nsb, first * w.nsb + kAhead); ++at) {
@@ -487,12 +765,19 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
       prefetch_weights(w.sc + at * (bits == 6 ? 16 : 8) * 16);
       prefetch_weights(w.d + at * 16);
     }
-    run_channel_groups(first, last, M, N, max_rows, yp, bp,
-                       [&](int64_t cg, int64_t m, int64_t rows) { (*fns)[rows - 1](a, w, cg, m, yp, N); });
+    const auto tile = [&](int64_t cg, int64_t m, int64_t rows) { (*fns)[rows - 1](a, w, cg, m, yp, N); };
+    if (amx)
+      amx_groups(a, w, static_cast<int>(bits), first, last, M, N, yp, bp, tile);
+    else
+      run_channel_groups(first, last, M, N, max_rows, yp, bp, tile);
   };
   work.done = [y] { return y; };
   return work;
 }
+
+int64_t amx_min_rows() { return kAmxKernel && amx_wanted.load() && amx_granted() ? kAmxMinRows : 0; }
+
+void set_amx(bool on) { amx_wanted.store(on); }
 
 torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
                          const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& d,
