@@ -4,7 +4,7 @@ without, beside llama.cpp on the same file, prompts of several lengths, interlea
     python scripts/bench_prefill.py --lengths 128,512,1024 --rounds 3 --llamacpp
 
 A prompt goes in as the engine feeds it on the CPU: chunks of PREFILL_ROWS_IDLE decode rows, the logits of its
-last token only. AMX runs the Q4_K layers' products on forwards of 16 rows or more where the CPU has it; the rows are
+last token only. AMX runs the Q4_K and Q6_K layers' products on forwards of 48 rows or more where the CPU has it; the rows are
 bit-identical either way (tests/test_blocks.py), so only the time differs. Prints tokens/s (median, min-max) per
 length and setting, and the ratios.
 """

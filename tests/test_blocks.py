@@ -81,9 +81,10 @@ def test_every_row_is_computed_as_if_alone(type_name, out):
     layer = QuantLinear(packed(type_name, out=out, inp=512, seed=1), torch.randn(out), kernels)
     x = torch.randn(70, 512)
     singles = torch.cat([layer(x[j : j + 1]) for j in range(70)])
-    # every tile width and a remainder; up to 4 rows, AVX2 runs both channel halves in one pass; from 16 rows
-    # Q4_K runs on AMX tile products where the CPU has them (one or two 16-row tiles, the rest on the VNNI tile)
-    for rows in (2, 3, 4, 5, 8, 9, 16, 19, 32, 37, 70):
+    # every tile width and a remainder; up to 4 rows, AVX2 runs both channel halves in one pass; from 48 rows
+    # Q4_K and Q6_K run on AMX tile products where the CPU has them (16-row tiles in pairs and alone, the rest on
+    # the VNNI tile)
+    for rows in (2, 3, 4, 5, 8, 9, 16, 19, 32, 37, 48, 50, 70):
         assert torch.equal(layer(x[:rows]), singles[:rows])
 
 
@@ -101,7 +102,7 @@ def test_the_largest_codes_and_activations_do_not_overflow(type_name, fill):
     w = from_gguf(type_name, raw.reshape(48, -1), (48, 512))
     layer = QuantLinear(w, None, kernels)
     signs = torch.tensor([1.0, -1.0]).repeat(256)
-    x = torch.stack([torch.ones(512), -torch.ones(512), signs, -signs]).repeat(8, 1)  # 32 rows: AMX's tiles too
+    x = torch.stack([torch.ones(512), -torch.ones(512), signs, -signs]).repeat(16, 1)  # 64 rows: AMX's tiles too
     ref = integer_reference(x, w)
     assert torch.allclose(layer(x).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
 

@@ -57,7 +57,7 @@ torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const 
                          const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G);
 std::vector<torch::Tensor> repack_c16_legacy(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
                                              const torch::Tensor& dmin, int64_t bits, bool with_m);
-// Rows from which a Q4_K layer's forward runs on AMX tile products (bit-identical rows), or 0 where it does not:
+// Rows from which a Q4_K or Q6_K layer's forward runs on AMX tile products (bit-identical rows), or 0 where it does not:
 // no AMX in this build or this CPU, the system refused the tile state, or SPECDECODE_AMX=0.
 int64_t amx_min_rows();
 void set_amx(bool on);  // AMX for this process (on by default where it runs); off: the VNNI tile for every row

@@ -124,8 +124,6 @@ struct C16Acts {
   const float* xd;       // [M, K / 256]
   const int32_t* pairs;  // [M, K / G / 2]: int16 sums of the codes of sub-blocks 2 u and 2 u + 1
   int64_t K;
-  const int8_t* tiles = nullptr;  // AMX: the codes of every whole 16 rows as tile operands (pack_tiles)
-  int64_t blocks = 0;             // AMX: whole 16 rows
 };
 
 // The bytes of superblock `at`, asked for kAhead superblocks before use: without it a forward over several rows
@@ -428,9 +426,12 @@ std::atomic<bool> amx_wanted{[] {
 // bytes: for Q4_K scale = 8 hi + lo (hi, lo <= 7, code x either <= 105), and the sum over a superblock is (codes x
 // lo) + 8 x (codes x hi), the same exact integer the VNNI tile sums sub-block by sub-block (Q6_K: four products,
 // below). The min terms and the float steps are the VNNI tile's, in its order, so every row is bit for bit what
-// that tile (and a one-row forward) gives. Each superblock of a channel group is unpacked once for all the rows.
+// that tile (and a one-row forward) gives. A channel group's weights are unpacked once for all the rows.
 constexpr bool kAmxKernel = true;
-constexpr int64_t kAmxMinRows = 16;  // fewer: the VNNI tile alone (one tile product costs about what 8 VNNI rows do)
+// Fewer rows: the VNNI tile alone. Unpacking a channel group's weights for the tiles is paid once per forward,
+// so AMX gains with the rows: on an Emerald Rapids VM (2 vCPUs) a Q4_K or Q6_K layer took 0.74-0.76x VNNI's
+// speed at 16 rows, ~1.0x at 32-48, 1.2x at 64 and 1.3-1.4x at 128 (BENCHMARKS.md, "AMX for prompts").
+constexpr int64_t kAmxMinRows = 48;
 
 // Linux gives a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 bool amx_granted() {
@@ -452,31 +453,6 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// The activation codes of rows [16 b, 16 b + 16) for superblock sb and depth (64 codes) as one 1 KB tile operand,
-// [K / 256, M / 16, 4, 16, 64]: the tile products of a superblock stream them in order. Loaded from the row-major
-// codes (16 rows 1.5-9 KB apart) the same tiles took ~20% longer in a microbenchmark, and asking for the next ones
-// ahead took off more.
-void pack_tiles(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
-  const int64_t blocks = M / 16;
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b)
-      for (int64_t sb = 0; sb < K / 256; ++sb)
-        for (int depth = 0; depth < 4; ++depth)
-          for (int r = 0; r < 16; ++r)
-            std::memcpy(out + (((sb * blocks + b) * 4 + depth) * 16 + r) * 64, q + (16 * b + r) * K + sb * 256 + depth * 64, 64);
-  });
-}
-
-inline const int8_t* a_tile(const C16Acts& a, int64_t m0, int64_t sb, int depth) {
-  return a.tiles + ((sb * a.blocks + m0 / 16) * 4 + depth) * 1024;
-}
-
-// The tile operands of the `count` 16-row blocks after the ones at `tiles` (4 KB each), asked for ahead
-inline void prefetch_next_tiles(const int8_t* tiles, int count) {
-  for (int line = 0; line < 64 * count; ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(tiles + 4096 * count + line * 64), _MM_HINT_T0);
-}
-
 // The low byte of a 16-bit product depends on the operands' low bytes only, and these products fit a byte: so
 // even bytes multiply in place and odd ones one byte up, signed or not.
 inline __m512i byte_products(__m512i x, __m512i even_y, __m512i odd_y) {
@@ -484,6 +460,8 @@ inline __m512i byte_products(__m512i x, __m512i even_y, __m512i odd_y) {
   return _mm512_or_si512(_mm512_and_si512(_mm512_mullo_epi16(x, even_y), low_bytes),
                          _mm512_mullo_epi16(_mm512_and_si512(x, high_bytes), odd_y));
 }
+
+constexpr int64_t kQ4UnpackedPerSuperblock = 8192;  // 4 depths x 2 halves x [16 rows, 64 bytes]
 
 // Superblock sb of channel group cg, its codes x split scales per depth and half: the B operands, rows of 4 weights
 // of 16 channels (what the packed `lo` vectors already hold, a nibble each).
@@ -508,56 +486,60 @@ void unpack_q4k(const C16Weight& w, int64_t cg, int64_t sb, uint8_t* out) {
   }
 }
 
-// Rows [m0, m0 + 16 ROW_TILES) of channel group cg, superblock sb's share, from its unpacked weights `b`: the
-// VNNI tile's float steps for that superblock, its running sums kept in `acc` [rows, 16] between superblocks (from
-// zero at the first, as the VNNI tile's registers start). In y, 16 floats of a row each on its own page, the
-// running sums cost a TLB miss a row and superblock.
+// Rows [m0, m0 + 16 ROW_TILES) of channel group cg, from its unpacked weights `b` (every superblock's): per
+// superblock the tile products, then the VNNI tile's float steps on their sums.
 template <int ROW_TILES>
-void amx_q4k_rows(const C16Acts& a, const C16Weight& w, const uint8_t* b, int64_t cg, int64_t sb, int64_t m0,
-                  float* acc_rows) {
+void amx_q4k_rows(const C16Acts& a, const C16Weight& w, const uint8_t* b, int64_t cg, int64_t m0, float* y,
+                  int64_t N) {
+  constexpr int R = ROW_TILES * 16;
   alignas(64) int32_t sums[ROW_TILES][2][16][16];
-  _tile_zero(4);
-  _tile_zero(5);
-  if constexpr (ROW_TILES == 2) {
-    _tile_zero(6);
-    _tile_zero(7);
-  }
-  prefetch_next_tiles(a_tile(a, m0, sb, 0), ROW_TILES);
-  for (int depth = 0; depth < 4; ++depth) {
-    _tile_loadd(0, a_tile(a, m0, sb, depth), 64);
-    _tile_loadd(1, b + (depth * 2) * 1024, 64);
-    _tile_loadd(2, b + (depth * 2 + 1) * 1024, 64);
-    _tile_dpbssd(4, 0, 1);
-    _tile_dpbssd(5, 0, 2);
+  __m512 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps();
+  const int8_t* rows = a.q + m0 * a.K;
+  for (int64_t sb = 0; sb < w.nsb; ++sb) {
+    _tile_zero(4);
+    _tile_zero(5);
     if constexpr (ROW_TILES == 2) {
-      _tile_loadd(3, a_tile(a, m0 + 16, sb, depth), 64);
-      _tile_dpbssd(6, 3, 1);
-      _tile_dpbssd(7, 3, 2);
+      _tile_zero(6);
+      _tile_zero(7);
+    }
+    const uint8_t* bs = b + sb * kQ4UnpackedPerSuperblock;
+    for (int depth = 0; depth < 4; ++depth) {
+      const int8_t* col = rows + sb * 256 + depth * 64;
+      _tile_loadd(0, col, a.K);
+      _tile_loadd(1, bs + (depth * 2) * 1024, 64);
+      _tile_loadd(2, bs + (depth * 2 + 1) * 1024, 64);
+      _tile_dpbssd(4, 0, 1);
+      _tile_dpbssd(5, 0, 2);
+      if constexpr (ROW_TILES == 2) {
+        _tile_loadd(3, col + 16 * a.K, a.K);
+        _tile_dpbssd(6, 3, 1);
+        _tile_dpbssd(7, 3, 2);
+      }
+    }
+    _tile_stored(4, sums[0][0], 64);
+    _tile_stored(5, sums[0][1], 64);
+    if constexpr (ROW_TILES == 2) {
+      _tile_stored(6, sums[1][0], 64);
+      _tile_stored(7, sums[1][1], 64);
+    }
+    const int64_t at = cg * w.nsb + sb;
+    const __m512 d = load_f16x16(w.d + at * 16), dmin = load_f16x16(w.dmin + at * 16);
+    __m512i mins[4];
+    for (int p = 0; p < 4; ++p)
+      mins[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mn + (at * 4 + p) * 32)));
+    for (int t = 0; t < R; ++t) {
+      const int32_t* pairs = a.pairs + (m0 + t) * (a.K / 64) + sb * 4;
+      const __m512i isum = _mm512_add_epi32(_mm512_load_si512(sums[t / 16][0][t % 16]),
+                                            _mm512_slli_epi32(_mm512_load_si512(sums[t / 16][1][t % 16]), 3));
+      __m512i imin = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) imin = _mm512_dpwssd_epi32(imin, mins[p], _mm512_set1_epi32(pairs[p]));
+      const __m512 xd = _mm512_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, xd), acc[t]);
+      acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, xd), acc[t]);
     }
   }
-  _tile_stored(4, sums[0][0], 64);
-  _tile_stored(5, sums[0][1], 64);
-  if constexpr (ROW_TILES == 2) {
-    _tile_stored(6, sums[1][0], 64);
-    _tile_stored(7, sums[1][1], 64);
-  }
-  const int64_t at = cg * w.nsb + sb;
-  const __m512 d = load_f16x16(w.d + at * 16), dmin = load_f16x16(w.dmin + at * 16);
-  __m512i mins[4];
-  for (int p = 0; p < 4; ++p)
-    mins[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mn + (at * 4 + p) * 32)));
-  for (int t = 0; t < ROW_TILES * 16; ++t) {
-    const int32_t* pairs = a.pairs + (m0 + t) * (a.K / 64) + sb * 4;
-    const __m512i isum = _mm512_add_epi32(_mm512_load_si512(sums[t / 16][0][t % 16]),
-                                          _mm512_slli_epi32(_mm512_load_si512(sums[t / 16][1][t % 16]), 3));
-    __m512i imin = _mm512_setzero_si512();
-    for (int p = 0; p < 4; ++p) imin = _mm512_dpwssd_epi32(imin, mins[p], _mm512_set1_epi32(pairs[p]));
-    const __m512 xd = _mm512_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb]);
-    float* out = acc_rows + (m0 + t) * 16;
-    __m512 acc = sb == 0 ? _mm512_setzero_ps() : _mm512_load_ps(out);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, xd), acc);
-    _mm512_store_ps(out, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, xd), acc));
-  }
+  for (int t = 0; t < R; ++t) _mm512_storeu_ps(y + (m0 + t) * N + cg * 16, acc[t]);
 }
 
 // Q6_K: codes c = code - 32 in [-32, 31] and signed 8-bit sub-block scales s (16 weights each), so c x s needs up
@@ -599,69 +581,69 @@ void unpack_q6k(const C16Weight& w, int64_t cg, int64_t sb, uint8_t* out) {
   }
 }
 
-// Rows [m0, m0 + 16) of channel group cg of a Q6_K layer, superblock sb's share (as amx_q4k_rows).
-void amx_q6k_rows(const C16Acts& a, const C16Weight& w, const uint8_t* b, int64_t cg, int64_t sb, int64_t m0,
-                  float* acc_rows) {
+// Rows [m0, m0 + 16) of channel group cg of a Q6_K layer (as amx_q4k_rows).
+void amx_q6k_rows(const C16Acts& a, const C16Weight& w, const uint8_t* b, int64_t cg, int64_t m0, float* y,
+                  int64_t N) {
   alignas(64) int32_t sums[4][16][16];
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
-  prefetch_next_tiles(a_tile(a, m0, sb, 0), 1);
-  for (int depth = 0; depth < 4; ++depth) {
-    _tile_loadd(0, a_tile(a, m0, sb, depth), 64);
-    const uint8_t* bd = b + depth * 4 * 1024;
-    _tile_loadd(1, bd, 64);
-    _tile_dpbssd(4, 0, 1);
-    _tile_loadd(2, bd + 1024, 64);
-    _tile_dpbssd(5, 0, 2);
-    _tile_loadd(1, bd + 2048, 64);
-    _tile_dpbssd(6, 0, 1);
-    _tile_loadd(2, bd + 3072, 64);
-    _tile_dpbssd(7, 0, 2);
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  const int8_t* rows = a.q + m0 * a.K;
+  for (int64_t sb = 0; sb < w.nsb; ++sb) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int depth = 0; depth < 4; ++depth) {
+      _tile_loadd(0, rows + sb * 256 + depth * 64, a.K);
+      const uint8_t* bd = b + sb * kQ6UnpackedPerSuperblock + depth * 4 * 1024;
+      _tile_loadd(1, bd, 64);
+      _tile_dpbssd(4, 0, 1);
+      _tile_loadd(2, bd + 1024, 64);
+      _tile_dpbssd(5, 0, 2);
+      _tile_loadd(1, bd + 2048, 64);
+      _tile_dpbssd(6, 0, 1);
+      _tile_loadd(2, bd + 3072, 64);
+      _tile_dpbssd(7, 0, 2);
+    }
+    _tile_stored(4, sums[0], 64);
+    _tile_stored(5, sums[1], 64);
+    _tile_stored(6, sums[2], 64);
+    _tile_stored(7, sums[3], 64);
+    const __m512 d = load_f16x16(w.d + (cg * w.nsb + sb) * 16);
+    for (int t = 0; t < 16; ++t) {
+      __m512i isum = _mm512_add_epi32(_mm512_load_si512(sums[0][t]), _mm512_slli_epi32(_mm512_load_si512(sums[1][t]), 4));
+      isum = _mm512_add_epi32(isum, _mm512_slli_epi32(_mm512_load_si512(sums[2][t]), 3));
+      isum = _mm512_add_epi32(isum, _mm512_slli_epi32(_mm512_load_si512(sums[3][t]), 7));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                               _mm512_mul_ps(d, _mm512_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb])), acc[t]);
+    }
   }
-  _tile_stored(4, sums[0], 64);
-  _tile_stored(5, sums[1], 64);
-  _tile_stored(6, sums[2], 64);
-  _tile_stored(7, sums[3], 64);
-  const __m512 d = load_f16x16(w.d + (cg * w.nsb + sb) * 16);
-  for (int t = 0; t < 16; ++t) {
-    __m512i isum = _mm512_add_epi32(_mm512_load_si512(sums[0][t]), _mm512_slli_epi32(_mm512_load_si512(sums[1][t]), 4));
-    isum = _mm512_add_epi32(isum, _mm512_slli_epi32(_mm512_load_si512(sums[2][t]), 3));
-    isum = _mm512_add_epi32(isum, _mm512_slli_epi32(_mm512_load_si512(sums[3][t]), 7));
-    float* out = acc_rows + (m0 + t) * 16;
-    const __m512 acc = sb == 0 ? _mm512_setzero_ps() : _mm512_load_ps(out);
-    _mm512_store_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                                          _mm512_mul_ps(d, _mm512_set1_ps(a.xd[(m0 + t) * (a.K / 256) + sb])), acc));
-  }
+  for (int t = 0; t < 16; ++t) _mm512_storeu_ps(y + (m0 + t) * N + cg * 16, acc[t]);
 }
 
 // Channel groups [first, last) of a Q4_K or Q6_K layer, all M rows: AMX for whole 16-row tiles, `rest` (the VNNI
-// tile) for the last rows, then the bias as run_channel_groups adds it. Superblock by superblock, each one's
-// unpacked weights (8 or 16 KB) stay in L1 while every row's tiles stream past them.
+// tile) for the last rows, then the bias as run_channel_groups adds it. A channel group's weights are unpacked once
+// for all its rows.
 template <typename Rest>
 void amx_groups(const C16Acts& a, const C16Weight& w, int bits, int64_t first, int64_t last, int64_t M, int64_t N,
                 float* y, const float* bias, Rest&& rest) {
-  alignas(64) static thread_local uint8_t b[kQ6UnpackedPerSuperblock];
-  static thread_local std::vector<float> acc_buffer;
-  const int64_t whole = M / 16 * 16;
-  if (acc_buffer.size() < static_cast<size_t>(whole * 16 + 16)) acc_buffer.resize(whole * 16 + 16);
-  float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc_buffer.data()) + 63) & ~uintptr_t{63});
+  thread_local std::vector<uint8_t> unpacked;
+  const int64_t per_superblock = bits == 4 ? kQ4UnpackedPerSuperblock : kQ6UnpackedPerSuperblock;
+  const size_t need = static_cast<size_t>(w.nsb * per_superblock) + 64;
+  if (unpacked.size() < need) unpacked.resize(need);
+  uint8_t* b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
   configure_tiles();
   for (int64_t cg = first; cg < last; ++cg) {
-    for (int64_t sb = 0; sb < w.nsb; ++sb) {
-      if (bits == 4) {
-        unpack_q4k(w, cg, sb, b);
-        int64_t m = 0;
-        for (; m + 32 <= whole; m += 32) amx_q4k_rows<2>(a, w, b, cg, sb, m, acc);
-        if (m < whole) amx_q4k_rows<1>(a, w, b, cg, sb, m, acc);
-      } else {
-        unpack_q6k(w, cg, sb, b);
-        for (int64_t m = 0; m < whole; m += 16) amx_q6k_rows(a, w, b, cg, sb, m, acc);
-      }
+    int64_t m = 0;
+    if (bits == 4) {
+      for (int64_t sb = 0; sb < w.nsb; ++sb) unpack_q4k(w, cg, sb, b + sb * per_superblock);
+      for (; m + 32 <= M; m += 32) amx_q4k_rows<2>(a, w, b, cg, m, y, N);
+      if (m + 16 <= M) amx_q4k_rows<1>(a, w, b, cg, m, y, N), m += 16;
+    } else {
+      for (int64_t sb = 0; sb < w.nsb; ++sb) unpack_q6k(w, cg, sb, b + sb * per_superblock);
+      for (; m + 16 <= M; m += 16) amx_q6k_rows(a, w, b, cg, m, y, N);
     }
-    for (int64_t m = 0; m < whole; ++m) _mm512_storeu_ps(y + m * N + cg * 16, _mm512_load_ps(acc + m * 16));
-    for (int64_t m = whole; m < M; m += kTile) rest(cg, m, std::min<int64_t>(kTile, M - m));
+    for (; m < M; m += kTile) rest(cg, m, std::min<int64_t>(kTile, M - m));
     if (bias == nullptr) continue;
     for (int64_t r = 0; r < M; ++r)
       for (int64_t c = cg * 16; c < cg * 16 + 16; ++c) y[r * N + c] += bias[c];
@@ -671,7 +653,6 @@ void amx_groups(const C16Acts& a, const C16Weight& w, int bits, int64_t first, i
 #else
 constexpr bool kAmxKernel = false;
 constexpr int64_t kAmxMinRows = 0;
-void pack_tiles(const int8_t*, int64_t, int64_t, int8_t*) {}
 bool amx_granted() { return false; }
 template <typename Rest>
 void amx_groups(const C16Acts&, const C16Weight&, int, int64_t, int64_t, int64_t, int64_t, float*, const float*,
@@ -739,12 +720,8 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
   }
   // A prompt's rows of a Q4_K or Q6_K layer on AMX, where the CPU has it (bit-identical rows: see amx_q4k_rows)
   const bool amx = kAmxKernel && bits != 5 && M >= kAmxMinRows && amx_wanted.load() && amx_granted();
-  if (amx && quantized.size() == 3) {
-    quantized.push_back(torch::empty({M / 16 * 16, K}, x.options().dtype(torch::kInt8)));
-    pack_tiles(quantized[0].data_ptr<int8_t>(), M, K, quantized[3].data_ptr<int8_t>());
-  }
   const C16Acts a{quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(), quantized[2].data_ptr<int32_t>(),
-                  K, amx ? quantized[3].data_ptr<int8_t>() : nullptr, M / 16};
+                  K};
   const auto* d16 = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const auto* m16 = dmin.numel() ? reinterpret_cast<const uint16_t*>(dmin.data_ptr<at::Half>()) : nullptr;
   const C16Weight w{lo.data_ptr<uint8_t>(), hi.numel() ? hi.data_ptr<uint8_t>() : nullptr, sc.data_ptr<int8_t>(),
