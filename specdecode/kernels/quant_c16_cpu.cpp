@@ -171,10 +171,27 @@ inline __m512i bcast4(const int8_t* p) {
 
 constexpr int kJointRows = 0;  // one vector holds all 16 channels: nothing to join
 
+// The codes of chunk j (4 weights of 16 channels) of a run of `lo` vectors and, above 4 bits, `hi` vectors.
+template <int BITS>
+__attribute__((always_inline)) inline __m512i chunk_codes(const uint8_t* lo, const uint8_t* hi, int j) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  const __m512i packed = _mm512_loadu_si512(lo + (j / 2) * 64);
+  __m512i codes = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, low4);
+  if constexpr (BITS > 4) {
+    const __m512i high = _mm512_loadu_si512(hi + (j / 4) * 64);
+    // field j of each byte moved to bits 4, 5 (one shift, none for j = 2; 16-bit lanes carry nothing
+    // into bits 4, 5 of the other byte), then codes | (that & 0x30) in one ternary-logic instruction
+    const int f = j % 4;
+    const __m512i moved = f == 0 ? _mm512_slli_epi16(high, 4) : f == 1 ? _mm512_slli_epi16(high, 2)
+                          : f == 2 ? high : _mm512_srli_epi16(high, 2);
+    codes = _mm512_ternarylogic_epi32(codes, moved, bits45, 0xF8);  // a | (b & c)
+  }
+  return codes;
+}
+
 template <int BITS, int G, int TILE>
 void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
   constexpr int nsub = 256 / G, chunks = G / 4;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
   const int8_t* rows[TILE];  // each activation row's codes and sub-block sums
   const int32_t* row_pairs[TILE];
   for (int t = 0; t < TILE; ++t) rows[t] = a.q + (m0 + t) * a.K, row_pairs[t] = a.pairs + (m0 + t) * (a.K / G / 2);
@@ -218,17 +235,7 @@ void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y
       // arithmetic it then does at run time cost those rows a sixth more.
 #pragma GCC unroll 16
       for (int j = 0; j < chunks; ++j) {  // chunks is a multiple of 4: chunk % 2 and chunk % 4 are j's
-        const __m512i packed = _mm512_loadu_si512(lo_u + (j / 2) * 64);
-        __m512i codes = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, low4);
-        if constexpr (BITS > 4) {
-          const __m512i high = _mm512_loadu_si512(hi_u + (j / 4) * 64);
-          // field j of each byte moved to bits 4, 5 (one shift, none for j = 2; 16-bit lanes carry nothing
-          // into bits 4, 5 of the other byte), then codes | (that & 0x30) in one ternary-logic instruction
-          const int f = j % 4;
-          const __m512i moved = f == 0 ? _mm512_slli_epi16(high, 4) : f == 1 ? _mm512_slli_epi16(high, 2)
-                                : f == 2 ? high : _mm512_srli_epi16(high, 2);
-          codes = _mm512_ternarylogic_epi32(codes, moved, bits45, 0xF8);  // a | (b & c)
-        }
+        const __m512i codes = chunk_codes<BITS>(lo_u, hi_u, j);
 #pragma GCC unroll 16
         for (int t = 0; t < TILE; ++t)
           part[j % kSplit][t] = _mm512_dpbusd_epi32(part[j % kSplit][t], codes, bcast4(rows[t] + col + 4 * j));
@@ -466,7 +473,7 @@ constexpr int64_t kQ4UnpackedPerSuperblock = 8192;  // 4 depths x 2 halves x [16
 // Superblock sb of channel group cg, its codes x split scales per depth and half: the B operands, rows of 4 weights
 // of 16 channels (what the packed `lo` vectors already hold, a nibble each).
 void unpack_q4k(const C16Weight& w, int64_t cg, int64_t sb, uint8_t* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi8(0x07), low_bytes = _mm512_set1_epi16(0x00FF);
+  const __m512i seven = _mm512_set1_epi8(0x07), low_bytes = _mm512_set1_epi16(0x00FF);
   const __m512i spread = _mm512_set1_epi32(0x01010101);
   const int64_t at = cg * w.nsb + sb;
   const uint8_t* lo = w.lo + at * 32 * 64;
@@ -478,9 +485,8 @@ void unpack_q4k(const C16Weight& w, int64_t cg, int64_t sb, uint8_t* out) {
     for (int h = 0; h < 2; ++h) {
       const __m512i even_scale = _mm512_and_si512(halves[h], low_bytes), odd_scale = _mm512_srli_epi16(halves[h], 8);
       for (int j = 8 * u; j < 8 * u + 8; ++j) {  // chunk j: 4 weights of 16 channels
-        const __m512i packed = _mm512_loadu_si512(lo + (j / 2) * 64);
-        const __m512i codes = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, low4);
-        _mm512_storeu_si512(out + ((j / 16) * 2 + h) * 1024 + (j % 16) * 64, byte_products(codes, even_scale, odd_scale));
+        _mm512_storeu_si512(out + ((j / 16) * 2 + h) * 1024 + (j % 16) * 64,
+                            byte_products(chunk_codes<4>(lo, nullptr, j), even_scale, odd_scale));
       }
     }
   }
@@ -549,7 +555,7 @@ void amx_q4k_rows(const C16Acts& a, const C16Weight& w, const uint8_t* b, int64_
 constexpr int64_t kQ6UnpackedPerSuperblock = 16384;  // 4 depths x 4 products x [16 rows, 64 bytes]
 
 void unpack_q6k(const C16Weight& w, int64_t cg, int64_t sb, uint8_t* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30), seven = _mm512_set1_epi8(0x07);
+  const __m512i seven = _mm512_set1_epi8(0x07);
   const __m512i four = _mm512_set1_epi8(4), low_bytes = _mm512_set1_epi16(0x00FF);
   const __m512i spread = _mm512_set1_epi32(0x01010101), byte = _mm512_set1_epi32(0xFF);
   const int64_t at = cg * w.nsb + sb;
@@ -562,14 +568,8 @@ void unpack_q6k(const C16Weight& w, int64_t cg, int64_t sb, uint8_t* out) {
                                _mm512_mullo_epi32(_mm512_and_si512(_mm512_srai_epi32(s, 4), byte), spread)};
     __m512i even[2], odd[2];
     for (int h = 0; h < 2; ++h) even[h] = _mm512_and_si512(halves[h], low_bytes), odd[h] = _mm512_srli_epi16(halves[h], 8);
-    for (int j = 4 * u; j < 4 * u + 4; ++j) {  // chunk j: 4 weights of 16 channels, as the VNNI tile builds them
-      const __m512i packed = _mm512_loadu_si512(lo + (j / 2) * 64);
-      __m512i codes = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, low4);
-      const __m512i high = _mm512_loadu_si512(hi + (j / 4) * 64);
-      const int f = j % 4;
-      const __m512i moved = f == 0 ? _mm512_slli_epi16(high, 4) : f == 1 ? _mm512_slli_epi16(high, 2)
-                            : f == 2 ? high : _mm512_srli_epi16(high, 2);
-      codes = _mm512_ternarylogic_epi32(codes, moved, bits45, 0xF8);  // a | (b & c)
+    for (int j = 4 * u; j < 4 * u + 4; ++j) {  // chunk j: 4 weights of 16 channels
+      const __m512i codes = chunk_codes<6>(lo, hi, j);
       const __m512i c_lo = _mm512_and_si512(codes, seven);
       const __m512i c_hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(codes, 3), seven), four);
       uint8_t* d = out + (j / 16) * 4 * 1024 + (j % 16) * 64;
@@ -621,42 +621,36 @@ void amx_q6k_rows(const C16Acts& a, const C16Weight& w, const uint8_t* b, int64_
   for (int t = 0; t < 16; ++t) _mm512_storeu_ps(y + (m0 + t) * N + cg * 16, acc[t]);
 }
 
-// Channel groups [first, last) of a Q4_K or Q6_K layer, all M rows: AMX for whole 16-row tiles, `rest` (the VNNI
-// tile) for the last rows, then the bias as run_channel_groups adds it. A channel group's weights are unpacked once
-// for all its rows.
-template <typename Rest>
-void amx_groups(const C16Acts& a, const C16Weight& w, int bits, int64_t first, int64_t last, int64_t M, int64_t N,
-                float* y, const float* bias, Rest&& rest) {
+// Channel groups [first, last) of a Q4_K or Q6_K layer, its whole 16-row tiles -> the rows done (the VNNI tile
+// does the rest, and the bias is added after). A channel group's weights are unpacked once for all its rows.
+int64_t amx_rows(const C16Acts& a, const C16Weight& w, int bits, int64_t first, int64_t last, int64_t M, int64_t N,
+                 float* y) {
   thread_local std::vector<uint8_t> unpacked;
   const int64_t per_superblock = bits == 4 ? kQ4UnpackedPerSuperblock : kQ6UnpackedPerSuperblock;
   const size_t need = static_cast<size_t>(w.nsb * per_superblock) + 64;
   if (unpacked.size() < need) unpacked.resize(need);
   uint8_t* b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+  const int64_t whole = M / 16 * 16;
   configure_tiles();
   for (int64_t cg = first; cg < last; ++cg) {
     int64_t m = 0;
     if (bits == 4) {
       for (int64_t sb = 0; sb < w.nsb; ++sb) unpack_q4k(w, cg, sb, b + sb * per_superblock);
-      for (; m + 32 <= M; m += 32) amx_q4k_rows<2>(a, w, b, cg, m, y, N);
-      if (m + 16 <= M) amx_q4k_rows<1>(a, w, b, cg, m, y, N), m += 16;
+      for (; m + 32 <= whole; m += 32) amx_q4k_rows<2>(a, w, b, cg, m, y, N);
+      if (m < whole) amx_q4k_rows<1>(a, w, b, cg, m, y, N);
     } else {
       for (int64_t sb = 0; sb < w.nsb; ++sb) unpack_q6k(w, cg, sb, b + sb * per_superblock);
-      for (; m + 16 <= M; m += 16) amx_q6k_rows(a, w, b, cg, m, y, N);
+      for (; m < whole; m += 16) amx_q6k_rows(a, w, b, cg, m, y, N);
     }
-    for (; m < M; m += kTile) rest(cg, m, std::min<int64_t>(kTile, M - m));
-    if (bias == nullptr) continue;
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t c = cg * 16; c < cg * 16 + 16; ++c) y[r * N + c] += bias[c];
   }
   _tile_release();
+  return whole;
 }
 #else
 constexpr bool kAmxKernel = false;
 constexpr int64_t kAmxMinRows = 0;
 bool amx_granted() { return false; }
-template <typename Rest>
-void amx_groups(const C16Acts&, const C16Weight&, int, int64_t, int64_t, int64_t, int64_t, float*, const float*,
-                Rest&&) {}
+int64_t amx_rows(const C16Acts&, const C16Weight&, int, int64_t, int64_t, int64_t, int64_t, float*) { return 0; }
 #endif
 
 using TileFn = void (*)(const C16Acts&, const C16Weight&, int64_t, int64_t, float*, int64_t);
@@ -742,11 +736,11 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
       prefetch_weights(w.sc + at * (bits == 6 ? 16 : 8) * 16);
       prefetch_weights(w.d + at * 16);
     }
-    const auto tile = [&](int64_t cg, int64_t m, int64_t rows) { (*fns)[rows - 1](a, w, cg, m, yp, N); };
-    if (amx)
-      amx_groups(a, w, static_cast<int>(bits), first, last, M, N, yp, bp, tile);
-    else
-      run_channel_groups(first, last, M, N, max_rows, yp, bp, tile);
+    // rows AMX computed are skipped (a multiple of 16: the VNNI tiles of max_rows start on them)
+    const int64_t done = amx ? amx_rows(a, w, static_cast<int>(bits), first, last, M, N, yp) : 0;
+    run_channel_groups(first, last, M, N, max_rows, yp, bp, [&](int64_t cg, int64_t m, int64_t rows) {
+      if (m >= done) (*fns)[rows - 1](a, w, cg, m, yp, N);
+    });
   };
   work.done = [y] { return y; };
   return work;
