@@ -25,8 +25,7 @@ from verify_cost import prompt_ids  # noqa: E402  (beside this script)
 from specdecode.engine import PREFILL_ROWS_IDLE  # noqa: E402
 from specdecode.kernels import cpu_kernels, cpu_model, prefetch_hint, simd_flags  # noqa: E402
 from specdecode.loading import load_model  # noqa: E402
-from specdecode.masks import chain_mask  # noqa: E402
-from specdecode.model import Part  # noqa: E402
+from specdecode.model import chain_part  # noqa: E402
 
 
 def ours_seconds(model, ids: list[int]) -> float:
@@ -38,9 +37,7 @@ def ours_seconds(model, ids: list[int]) -> float:
     with torch.inference_mode():
         for start in range(0, n, PREFILL_ROWS_IDLE):
             end = min(n, start + PREFILL_ROWS_IDLE)
-            part = Part(tokens[start:end], torch.arange(start, end), cache, chain_mask(start, end - start),
-                        end - start - 1)
-            model.forward_parts([part])
+            model.forward_parts([chain_part(tokens[start:end], cache, end - start - 1)])
             cache.length = end
     return time.perf_counter() - began
 
