@@ -81,6 +81,8 @@ class Engine:
         self.last: Sequence | None = None  # the request `generate` ran last
         self.eos = tuple(target.config.eos_token_ids)
         self.prompt_decode = prompt_as_decode_rows(target)
+        # CUDA runs ahead of the clock: its curve stays as measured (asked once: a module's device is a lookup chain)
+        self.times_forwards = target.device.type == "cpu"
         self.prompt_cache = prompt_cache if rows_exact(target) else None  # copied rows are the rows it would compute
         # A drafter's own cache grows with the context too: the KV budget counts it, in target tokens.
         self.kv_scale = 1.0 + drafter.cache_bytes_per_token / (bytes_per_token(target) or math.inf)
@@ -235,7 +237,7 @@ class Engine:
         # of one, so they read the same target layers.
         outputs = self.target.forward_parts(parts, self.drafter.feature_layers)
         rows = sum(p.tokens.numel() for p in parts)
-        if self.target.device.type == "cpu":  # CUDA runs ahead of the clock: its curve stays as measured
+        if self.times_forwards:
             self.planner.observe(rows, time.perf_counter() - began)
         for seq, part, (logits, hidden) in zip(owners, parts, outputs):
             try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+MAX_SLOT_COPIES = 8  # slots `keep` moves one by one; more go in one gather and scatter
+
 
 class KVCache:
     def __init__(
@@ -40,9 +42,16 @@ class KVCache:
         length, length+1, ... and become valid. A chain that keeps its prefix needs no call."""
         # indices: [n]
         start = self.length
-        dest = torch.arange(start, start + indices.numel(), device=self.k.device)
-        self.k[:, :, :, dest] = self.k[:, :, :, indices]
-        self.v[:, :, :, dest] = self.v[:, :, :, indices]
+        moves = [(to, at) for to, at in enumerate(indices.tolist(), start) if to != at]
+        if len(moves) <= MAX_SLOT_COPIES:  # a tree step moves a few slots: one copy each, no gather and scatter
+            k, v = self.k.flatten(0, 2), self.v.flatten(0, 2)  # [layers * batch * heads, slots, head_dim] views
+            for to, at in moves:
+                k[:, to].copy_(k[:, at])
+                v[:, to].copy_(v[:, at])
+        else:
+            dest = torch.arange(start, start + indices.numel(), device=self.k.device)
+            self.k[:, :, :, dest] = self.k[:, :, :, indices]
+            self.v[:, :, :, dest] = self.v[:, :, :, indices]
         self.length = start + indices.numel()
 
     def grow(self, max_len: int) -> None:

@@ -22,21 +22,48 @@ def tree_mask(prefix_len: int, parents: torch.Tensor) -> torch.Tensor:
 
     -> [1, 1, n + 1, prefix_len + n + 1]; row 0 is the root, row i + 1 is node i."""
     n = parents.numel()
-    device = parents.device
-    # parent index in the root-first numbering; the root is its own parent so the doubling below terminates.
-    up = torch.cat((torch.zeros(1, dtype=torch.long, device=device), parents + 1))  # [n + 1]
-    ancestors = torch.eye(n + 1, dtype=torch.bool, device=device)
-    ancestors[:, 0] = True
-    hop = up
-    # Pointer doubling: after j rounds each row holds every ancestor within 2^j hops.
-    for _ in range(max(1, n.bit_length())):
-        ancestors |= ancestors[hop]
-        hop = hop[hop]
-    prefix = torch.ones(n + 1, prefix_len, dtype=torch.bool, device=device)
-    return torch.cat((prefix, ancestors), dim=1)[None, None]
+    mask = torch.zeros(n + 1, prefix_len + n + 1, dtype=torch.bool, device=parents.device)
+    mask[:, : prefix_len + 1] = True  # the prefix and the root
+    rows, cols = [], []
+    for i, path in enumerate(tree_paths(parents.tolist())):
+        rows += [i + 1] * len(path)
+        cols += [prefix_len + 1 + j for j in path]
+    if rows:  # one indexed write: a few small tensor operations per node cost more than the lists (drafts are small)
+        mask[rows, cols] = True
+    return mask[None, None]
+
+
+def tree_paths(parents: list[int]) -> list[list[int]]:
+    """Each node's path from the root's first child down to itself, as node indices (ascending, since a parent
+    comes before its children)."""
+    paths: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [i])
+    return paths
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each draft node (a child of the root has depth 1)."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(1 if parent < 0 else out[parent] + 1)
+    return out
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of each draft node (a child of the root has depth 1) -> [n]."""
-    mask = tree_mask(0, parents)[0, 0, 1:, 1:]  # [n, n] node-to-node ancestry including self
-    return mask.sum(-1)
+    return torch.tensor(tree_depths(parents.tolist()), dtype=torch.long, device=parents.device)
+
+
+def tree_row_slots(prefix_len: int, parents: list[int]) -> tuple[list[int], list[list[int]]]:
+    """The cache slots each row of tree_mask(prefix_len, parents) lets it attend to, as model.row_slots reads them
+    off that mask: (spans, extras), row t seeing [0, spans[t]) and then extras[t]; extras is [] when every row's
+    slots are a prefix. The root sits at slot prefix_len, node i at prefix_len + 1 + i."""
+    spans, extras = [prefix_len + 1], [[]]
+    for path in tree_paths(parents):
+        k = 0
+        while k < len(path) and path[k] == k:  # nodes 0, 1, ... on the path extend the leading run
+            k += 1
+        spans.append(prefix_len + 1 + k)
+        extras.append([prefix_len + 1 + j for j in path[k:]])
+    return spans, (extras if any(extras) else [])

@@ -122,7 +122,7 @@ class Segment:
     end: int
     cache: KVCache
     write_pos: torch.Tensor  # [end - begin] cache slots of the new tokens: cache.length onwards
-    attn_mask: torch.Tensor  # [B or 1, 1, end - begin, S]
+    attn_mask: torch.Tensor | None  # [B or 1, 1, end - begin, S]; None where rows are given
     rows: RowSlots | None  # decode mode: each row's slots; None = one attention call under attn_mask
 
 
@@ -133,10 +133,17 @@ class Part:
     tokens: torch.Tensor  # [t]
     positions: torch.Tensor  # [t] rotary positions
     cache: KVCache  # batch 1
-    attn_mask: torch.Tensor  # [1, 1, t, S] bool
+    attn_mask: torch.Tensor | None  # [1, 1, t, S] bool; None: built from `rows` where a forward needs it (mask())
     logits_from: int = 0  # logits only for rows [logits_from, t)
     decode: bool = True  # rows computed as one-token forwards would (a prompt may go faster without)
     rows: RowSlots | None = None  # each row's slots where the caller knows them (a chain), else read off the mask
+
+    def mask(self) -> torch.Tensor:
+        """The attention mask [1, 1, t, S]: as given, or built from `rows`. The CPU's decode rows attend by their
+        slots and never read it; a step's parts skip building it (a few tensor operations each)."""
+        if self.attn_mask is None:
+            self.attn_mask = rows_mask(self.rows, self.tokens.device)
+        return self.attn_mask
 
 
 def chain_part(tokens: torch.Tensor, cache: KVCache, logits_from: int = 0, decode: bool = True,
@@ -146,7 +153,20 @@ def chain_part(tokens: torch.Tensor, cache: KVCache, logits_from: int = 0, decod
     start, count = cache.length if start is None else start, tokens.numel()
     positions = torch.arange(start, start + count, device=tokens.device)
     rows = RowSlots(list(range(start + 1, start + count + 1)), [])
-    return Part(tokens, positions, cache, chain_mask(start, count, tokens.device), logits_from, decode, rows)
+    return Part(tokens, positions, cache, None, logits_from, decode, rows)
+
+
+def rows_mask(rows: RowSlots, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Each row's slots -> the mask [1, 1, T, S] that shows them, S one past the last slot any row sees (each row
+    sees its own slot, the last row's the last one): chain_mask or tree_mask of the same rows."""
+    width = max(max(rows.spans), max((e[-1] + 1 for e in rows.extras if e), default=0))
+    mask = torch.zeros(len(rows.spans), width, dtype=torch.bool)
+    for t, span in enumerate(rows.spans):
+        mask[t, :span] = True
+    if rows.extras:
+        cells = [(t, slot) for t, extra in enumerate(rows.extras) for slot in extra]
+        mask[[t for t, _ in cells], [slot for _, slot in cells]] = True
+    return mask.to(device)[None, None]
 
 
 def row_slots(attn_mask: torch.Tensor) -> RowSlots:
@@ -326,7 +346,7 @@ class Transformer(nn.Module):
             t, start = part.tokens.numel(), part.cache.length
             write_pos = torch.arange(start, start + t, device=part.tokens.device)
             rows = (part.rows or row_slots(part.attn_mask)) if part.decode else None
-            segments.append(Segment(begin, begin + t, part.cache, write_pos, part.attn_mask, rows))
+            segments.append(Segment(begin, begin + t, part.cache, write_pos, None if rows else part.mask(), rows))
             begin += t
         tokens = torch.cat([p.tokens for p in parts])[None]  # [1, N]
         positions = torch.cat([p.positions for p in parts])[None]
@@ -436,7 +456,7 @@ def forward_each(model: nn.Module, parts: list[Part], feature_layers: tuple[int,
     correct but reads the weights once per part."""
     out = []
     for p in parts:
-        logits, hidden = model(p.tokens[None], p.positions[None], p.cache, p.attn_mask, p.logits_from, p.decode,
+        logits, hidden = model(p.tokens[None], p.positions[None], p.cache, p.mask(), p.logits_from, p.decode,
                                feature_layers)
         out.append((logits[0], hidden[0]))
     return out

@@ -36,6 +36,21 @@ def greedy_top1(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top_index, top_probs
 
 
+def greedy_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, vocab] logits -> (each row's k likeliest tokens [rows, k], likeliest first, and their softmax
+    probabilities [rows, k]): a greedy tree drafter's children and confidences, without a softmax over the whole
+    row (on the native kernel for CPU float32: ~4x cheaper than torch's softmax and topk on a 32k head)."""
+    logits = logits.float()
+    if k == 1:
+        return greedy_top1(logits)
+    if logits.dim() == 2 and logits.is_cpu and k <= logits.shape[-1] and (kernels := cpu_kernels()) is not None:
+        index, prob = kernels.topk_probs(logits.contiguous(), k)
+        if int(index.min()) >= 0:
+            return index, prob
+    top_probs, top_index = logits.softmax(-1).topk(k, dim=-1)
+    return top_index, top_probs
+
+
 def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., vocab] logits -> [..., vocab] float32 probabilities (greedy: one-hot at the argmax). Temperature, then
     min-p, top-k and top-p."""

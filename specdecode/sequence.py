@@ -22,8 +22,8 @@ from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.kv_cache import KVCache
-from specdecode.masks import tree_mask
-from specdecode.model import Part, chain_part
+from specdecode.masks import tree_depths, tree_row_slots
+from specdecode.model import Part, RowSlots, chain_part
 from specdecode.planner import MAX_AUTO_NODES, StepPlan
 from specdecode.rules import OutputRules
 from specdecode.sampling import greedy_tokens, make_generator, sample, to_probs
@@ -70,7 +70,8 @@ class Sequence:
         self.hidden: torch.Tensor | None = None
         self.keep_hidden = drafter.reads_every_position
         self.draft = Draft.empty(device)
-        self._depths = torch.empty(0, dtype=torch.long)  # of this step's draft nodes, set by verify_part
+        self._depths: list[int] = []  # of this step's draft nodes, set by verify_part
+        self._chain = True  # whether this step's draft is a chain, set by verify_part
         self.proposed = False  # whether the drafter was asked this step (and so has something to commit)
         self.draft_seconds = 0.0  # what proposing took this step
         self.finish_reason: str | None = None
@@ -187,21 +188,25 @@ class Sequence:
 
     def verify_part(self) -> Part:
         """[root, *draft]: a node's rotary position is its depth (a chain's: its index); it sees the prefix, the
-        root and its own ancestors."""
+        root and its own ancestors. The tree's layout is worked out on lists: a draft has a few nodes, and tensor
+        operations on so few cost more than the arithmetic."""
         draft, device = self.draft, self.device
-        self._depths = draft.depths()  # [n], once: the positions and the statistics use it
+        parents = draft.parents.tolist()
+        self._chain = parents == list(range(-1, len(parents) - 1))
+        self._depths = list(range(1, len(parents) + 1)) if self._chain else tree_depths(parents)
         start = self.cache.length
         ids = torch.cat((torch.tensor([self.tokens[-1]], device=device), draft.tokens.to(device)))
-        if draft.is_chain:
+        if self._chain:
             return chain_part(ids, self.cache)
-        positions = start + torch.cat((torch.zeros(1, dtype=torch.long, device=device), self._depths.to(device)))
-        return Part(ids, positions, self.cache, tree_mask(start, draft.parents.to(device)))
+        positions = torch.tensor([start] + [start + d for d in self._depths], device=device)
+        spans, extras = tree_row_slots(start, parents)
+        return Part(ids, positions, self.cache, None, rows=RowSlots(spans, extras))  # its mask: tree_mask's
 
     def verified(self, logits: torch.Tensor, hidden: torch.Tensor) -> Step:
         """The target's logits [n + 1, vocab] and hidden states [n + 1, d] over verify_part's rows -> the Step."""
         draft, device, params = self.draft, self.device, self.params
         start = self.cache.length
-        chain = draft.is_chain
+        chain = self._chain
         shaped = self.rules.shape(logits, draft.tokens, None if chain else draft.parents)
         if chain:
             verdict = verify_chain(shaped, draft.tokens.to(device), draft.probs, params, self.generator)
@@ -220,7 +225,8 @@ class Sequence:
             self._hold(rows)
         else:
             self.hidden = rows
-        self._show_target(torch.cat((torch.tensor(self.tokens[-1:]), draft.tokens.cpu())), logits, draft.origin)
+        if self.drafter.target_topk:  # the rows' tokens, built only for a drafter that reads them
+            self._show_target(torch.cat((torch.tensor(self.tokens[-1:]), draft.tokens.cpu())), logits, draft.origin)
         if self.proposed:  # a drafter that was not asked has nothing to roll back or learn from
             self.drafter.commit(draft.as_proposed(accepted), draft.origin)
             if self.prediction is not None:
@@ -230,7 +236,7 @@ class Sequence:
         step.drafter = ("grammar" if self.free_draft else self.drafter.proposer) if len(draft) else None
         now = time.perf_counter()
         self.stats.record_step(len(draft), len(accepted), len(step.tokens), now - self.step_started,
-                               depth=int(self._depths.max()) if len(draft) else 0,
+                               depth=max(self._depths, default=0),
                                drafter=step.drafter, draft_s=self.draft_seconds)
         self.stats.wall_s = now - self.started
         return step

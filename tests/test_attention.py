@@ -202,7 +202,8 @@ def test_a_chain_part_carries_the_slots_its_mask_gives():
     cache.truncate(5)
     part = chain_part(torch.tensor([3, 4, 5]), cache)
     assert part.positions.tolist() == [5, 6, 7]
-    assert part.rows == row_slots(part.attn_mask)
+    assert part.attn_mask is None  # built only where a forward reads it
+    assert torch.equal(part.mask(), chain_mask(5, 3)) and part.rows == row_slots(part.mask())
     assert chain_part(torch.tensor([1, 2]), cache, start=9).rows == row_slots(chain_mask(9, 2))
 
 
@@ -210,7 +211,7 @@ def test_draft_nodes_carry_the_slots_their_mask_gives():
     """A draft forward's nodes (a depth of a tree, fed after earlier depths) know their rows' slots: the same as
     reading them off their mask."""
     from specdecode.drafters.tree_growth import GrowsTrees, Node
-    from specdecode.model import row_slots
+    from specdecode.model import row_slots, rows_mask
 
     def node(parent, depth, slot=-1):
         return Node(7, parent, depth, 0.5, 0.5, 0, [], slot)
@@ -221,3 +222,4 @@ def test_draft_nodes_carry_the_slots_their_mask_gives():
     for nodes, expand, start in ((chain, [2], 12), (tree, [3, 4], 14)):
         _, _, mask, rows = GrowsTrees._place(None, expand, nodes, start, 10, torch.device("cpu"))
         assert rows == row_slots(mask[None, None])
+        assert torch.equal(rows_mask(rows), mask[None, None])  # the mask a forward builds from the rows

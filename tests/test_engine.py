@@ -296,14 +296,40 @@ def test_hybrid_output_distribution_is_the_targets_whichever_drafter_proposes(au
 
 
 def test_ngram_matches_merge_into_a_trie():
-    import numpy as np
+    from specdecode.drafters.ngram import NgramIndex, trie
 
-    from specdecode.drafters.ngram import lookup_all, trie
-
-    tokens = np.array([5, 1, 2, 3, 9, 5, 1, 2, 4, 9, 5, 1], dtype=np.int64)  # "5 1" was followed by "2 3" and "2 4"
-    found = lookup_all(tokens, 3, max_ngram=2, min_ngram=1, count=4)
-    assert [f.tolist() for f in found[:2]] == [[2, 4, 9], [2, 3, 9]]  # longest n-gram, most recent first
+    tokens = [5, 1, 2, 3, 9, 5, 1, 2, 4, 9, 5, 1]  # "5 1" was followed by "2 3" and "2 4"
+    found = NgramIndex(1, 2).lookup(tokens, 3, count=4)
+    assert found[:2] == [[2, 4, 9], [2, 3, 9]]  # longest n-gram, most recent first
     nodes, parents, share = trie(found[:2], max_tokens=8)
     assert nodes == [2, 4, 9, 3, 9] and parents == [-1, 0, 1, 0, 3]  # the shared "2" once, then two branches
     assert share == [1.0, 0.5, 1.0, 0.5, 1.0]
     assert trie(found[:2], max_tokens=2)[0] == [2, 4]  # the budget cuts, parents first
+
+
+def test_the_ngram_index_follows_a_growing_context():
+    """Indexed as the tokens grow (and again when the list is another one), its matches are those of a scan of the
+    whole context each time: longest n-gram first, most recent first, distinct continuations."""
+    import random
+
+    from specdecode.drafters.ngram import NgramIndex
+
+    def scan(tokens, depth, low, high, count):
+        found = []
+        for n in range(min(high, len(tokens) - 1), low - 1, -1):
+            for start in range(len(tokens) - 1 - n, -1, -1):
+                run = tokens[start + n : start + n + depth]
+                if tokens[start : start + n] == tokens[-n:] and run not in found:
+                    found.append(run)
+        return found[:count]
+
+    rng = random.Random(3)
+    for low, high in ((1, 3), (2, 3), (2, 2)):
+        index, tokens = NgramIndex(low, high), []
+        for step in range(120):
+            if step == 70:
+                tokens = tokens[:40]  # another request's list: indexed again
+            tokens = tokens + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            depth, count = rng.randrange(0, 6), rng.randrange(1, 5)
+            expect = scan(tokens, depth, low, high, count) if depth > 0 else []
+            assert index.lookup(tokens, depth, count) == expect, (step, tokens)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdecode.masks import chain_mask, depths, tree_mask
+from specdecode.masks import chain_mask, depths, tree_mask, tree_row_slots
 from tiny import hf_model, native_from_hf
 
 FAMILIES = ["qwen2", "llama", "qwen3", "mistral"]
@@ -80,3 +80,22 @@ def test_tree_mask_is_the_ancestor_relation():
             assert got == expect and mask[i + 1, 3]
     chain = torch.arange(-1, 4)
     assert torch.equal(tree_mask(2, chain), chain_mask(2, 6))
+
+
+def test_tree_row_slots_are_what_the_mask_shows():
+    """A verify forward's tree rows, worked out on lists, are the slots row_slots reads off the tree's mask, and
+    give that mask back; depths count a node's ancestors and itself."""
+    from specdecode.model import RowSlots, row_slots, rows_mask
+
+    gen = torch.Generator().manual_seed(5)
+    for n in (0, 1, 2, 5, 9, 17):
+        for chain in (False, True):
+            drawn = [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)]
+            parents = list(range(-1, n - 1)) if chain else drawn
+            for prefix in (0, 1, 7):
+                mask = tree_mask(prefix, torch.tensor(parents, dtype=torch.long))
+                expected = row_slots(mask)
+                assert tree_row_slots(prefix, parents) == (expected.spans, expected.extras)
+                assert torch.equal(rows_mask(RowSlots(*tree_row_slots(prefix, parents))), mask)
+                ancestry = mask[0, 0, 1:, prefix + 1 :]  # node to node, itself included
+                assert torch.equal(depths(torch.tensor(parents, dtype=torch.long)), ancestry.sum(-1))

@@ -32,3 +32,27 @@ def test_greedy_top1_is_the_softmax_maximum():
         ref = logits.softmax(-1).max(-1)
         assert torch.equal(index[:, 0], logits.argmax(-1))
         assert torch.allclose(prob[:, 0], ref.values, rtol=1e-5)
+
+
+def test_greedy_topk_is_softmax_and_topk():
+    """A greedy tree drafter's children and confidences: the k largest logits, largest first (the lower index among
+    equals), and their softmax probabilities; rows the kernel cannot rank (a NaN, fewer than k finite values) go to
+    torch."""
+    from specdecode.sampling import greedy_topk
+
+    torch.manual_seed(2)
+    for vocab in (3, 17, 32784, 151936):
+        logits = torch.randn(4, vocab) * 3
+        logits[1] = torch.round(logits[1])  # many ties
+        k = min(3, vocab)
+        index, prob = greedy_topk(logits, k)
+        values = logits.gather(-1, index)
+        assert torch.equal(values, logits.topk(k, dim=-1).values)
+        assert torch.allclose(prob.double(), logits.double().softmax(-1).gather(-1, index), rtol=1e-4)
+        equal = values[:, 1:] == values[:, :-1]
+        assert bool((index[:, 1:] > index[:, :-1])[equal].all())
+    sparse = torch.full((2, 40), float("-inf"))
+    sparse[:, 5] = 1.0
+    sparse[1, 7] = float("nan")
+    index, prob = greedy_topk(sparse, 2)  # torch's answer: the finite one first
+    assert index[0, 0] == 5 and prob[0, 0] == 1.0

@@ -44,17 +44,14 @@ log = logging.getLogger("specdecode")
 
 
 def match_lengths(tokens: np.ndarray, candidates: np.ndarray, tail: np.ndarray) -> np.ndarray:
-    """For each candidate position p (tokens[p - 1] == tail[-1]): how many of `tail`'s last tokens end at p - 1."""
-    lengths = np.ones(candidates.size, dtype=np.int64)
-    alive = np.ones(candidates.size, dtype=bool)
-    for k in range(2, min(tail.size, MAX_MATCH) + 1):
-        at = candidates - k
-        alive &= at >= 0
-        alive[alive] &= tokens[at[alive]] == tail[-k]
-        if not alive.any():
-            break
-        lengths[alive] = k
-    return lengths
+    """For each candidate position p (tokens[p - 1] == tail[-1]): how many of `tail`'s last tokens end at p - 1.
+    All candidates and depths at once (one gather): a round of numpy calls per matched token cost ~0.1 ms a step
+    where text repeats."""
+    depth = min(tail.size, MAX_MATCH)
+    at = candidates[:, None] - np.arange(1, depth + 1)  # [candidates, depth]: p - k, k = 1 .. depth
+    same = (at >= 0) & (tokens[np.maximum(at, 0)] == tail[::-1][:depth])
+    same[:, 0] = True  # tokens[p - 1] == tail[-1]: how the candidates were found
+    return np.cumprod(same, axis=1).sum(axis=1)  # the leading run of matches
 
 
 def continuations(tokens: np.ndarray, positions: np.ndarray, depth: int) -> list[np.ndarray]:

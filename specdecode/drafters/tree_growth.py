@@ -19,7 +19,7 @@ import torch
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.model import RowSlots
 from specdecode.planner import FORWARD_WEIGHT, running_mean
-from specdecode.sampling import greedy_top1, to_probs
+from specdecode.sampling import greedy_topk, to_probs
 
 Request = TypeVar("Request")
 
@@ -64,12 +64,13 @@ class GrowsTrees(Drafter):
     def forward_s(self) -> float:
         return self.clock.seconds
 
-    def _place(self, expand: list[int], nodes: list[Node], start: int, base_length: int,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RowSlots]:
+    def _place(self, expand: list[int], nodes: list[Node], start: int, base_length: int, device: torch.device,
+               with_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, RowSlots]:
         """Nodes `expand` (one depth) fed at cache slots [start, start + len(expand)) -> (their token ids, their
         rotary positions (base_length - 1 + depth), the mask [len(expand), start + len(expand)] letting each see
-        the agreed prefix, its fed ancestors and itself, and the same as each row's slots). Records each node's
-        slot. Built as lists, then one tensor each: a tensor write per ancestor cost ~3 us apiece."""
+        the agreed prefix, its fed ancestors and itself (None without `with_mask`: a forward that attends by
+        slots never reads it), and the same as each row's slots). Records each node's slot. Built as lists, then
+        one tensor each: a tensor write per ancestor cost ~3 us apiece."""
         spans, extras, mask_rows, mask_cols = [], [], [], []
         for row, i in enumerate(expand):
             nodes[i].slot = start + row
@@ -85,9 +86,11 @@ class GrowsTrees(Drafter):
             extras.append(path[k:])
             mask_rows += [row] * len(path)
             mask_cols += path
-        mask = torch.zeros(len(expand), start + len(expand), dtype=torch.bool, device=device)
-        mask[:, :base_length] = True
-        mask[mask_rows, mask_cols] = True
+        mask = None
+        if with_mask:
+            mask = torch.zeros(len(expand), start + len(expand), dtype=torch.bool, device=device)
+            mask[:, :base_length] = True
+            mask[mask_rows, mask_cols] = True
         ids = torch.tensor([nodes[i].token for i in expand], device=device)
         positions = torch.tensor([base_length - 1 + nodes[i].depth for i in expand], device=device)
         return ids, positions, mask, RowSlots(spans, extras if any(extras) else [])
@@ -106,11 +109,8 @@ class GrowsTrees(Drafter):
             # one it allows) gets no children: its argmax would be a token the grammar rejects.
             alive = torch.isfinite(logits).any(-1).tolist()
         greedy = ctx.params.greedy
-        if greedy and self.width == 1:  # a chain: the argmax and its probability, without the whole softmax
-            top_index, top_probs = greedy_top1(logits)  # [R, 1] each
-        elif greedy:
-            probs = logits.float().softmax(-1)
-            top_probs, top_index = probs.topk(self.width, dim=-1)  # [R, width]
+        if greedy:  # the likeliest children and their probabilities, without the whole softmax
+            top_index, top_probs = greedy_topk(logits, min(self.width, logits.shape[-1]))  # [R, width] each
         else:
             probs = to_probs(logits, ctx.params)  # [R, vocab]
             # Gumbel top-k: the largest log q + Gumbel noise are a draw without replacement, in draw order.

@@ -1,7 +1,8 @@
-// The index of each row's largest value, for greedy verification: torch.argmax over a [rows, vocabulary] float32
-// tensor runs at ~4 GB/s on a 2-core CPU (0.24 ms for six rows of a 152k vocabulary, every step); eight lanes at a
-// time this is a read of the logits. Same answer: the first index on ties. A row holding a NaN answers -1, and the
-// caller asks torch (which counts NaN as the largest).
+// The index of each row's largest value, for greedy verification, and the few likeliest tokens of a draft's row.
+// torch.argmax over a [rows, vocabulary] float32 tensor runs at ~4 GB/s on a 2-core CPU (0.24 ms for six rows of a
+// 152k vocabulary, every step). Here a row is read twice at the speed of its cache: its largest value (several
+// independent chains), then the first index holding it. Same answer as torch: the first index on ties. A row holding
+// a NaN answers -1, and the caller asks torch (which counts NaN as the largest).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -14,79 +15,237 @@
 
 namespace {
 
-int64_t row_argmax(const float* x, int64_t V) {
-  int64_t i = 0, best_index = 0;
+// The row's largest value; `nan` set when it holds a NaN (then the largest value means nothing).
+float row_max(const float* x, int64_t V, bool& nan) {
+  int64_t i = 0;
   float best = -INFINITY;
-  bool nan = false;
-  if (V >= 8) {
-    __m256 top = _mm256_loadu_ps(x);
-    __m256i where = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = where;
-    __m256 unordered = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
-    const __m256i step = _mm256_set1_epi32(8);
-    for (i = 8; i + 8 <= V; i += 8) {
-      at = _mm256_add_epi32(at, step);
-      const __m256 v = _mm256_loadu_ps(x + i);
-      const __m256 greater = _mm256_cmp_ps(v, top, _CMP_GT_OQ);  // strictly: a lane keeps its first maximum
-      top = _mm256_blendv_ps(top, v, greater);
-      where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(at), greater));
-      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+#if defined(__AVX512F__)
+  __m512 top[4];
+  for (auto& t : top) t = _mm512_set1_ps(-INFINITY);
+  __mmask16 unordered = 0;
+  for (; i + 64 <= V; i += 64)
+    for (int c = 0; c < 4; ++c) {
+      const __m512 v = _mm512_loadu_ps(x + i + 16 * c);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      top[c] = _mm512_max_ps(top[c], v);
     }
-    nan = _mm256_movemask_ps(unordered) != 0;
-    alignas(32) float values[8];
-    alignas(32) int32_t indices[8];
-    _mm256_store_ps(values, top);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(indices), where);
-    best = values[0], best_index = indices[0];
-    for (int lane = 1; lane < 8; ++lane)
-      if (values[lane] > best || (values[lane] == best && indices[lane] < best_index))
-        best = values[lane], best_index = indices[lane];
+  for (; i + 16 <= V; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top[0] = _mm512_max_ps(top[0], v);
   }
+  best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])));
+  nan = unordered != 0;
+#else
+  __m256 top[4];
+  for (auto& t : top) t = _mm256_set1_ps(-INFINITY);
+  __m256 unordered = _mm256_setzero_ps();
+  for (; i + 32 <= V; i += 32)
+    for (int c = 0; c < 4; ++c) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * c);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      top[c] = _mm256_max_ps(top[c], v);
+    }
+  for (; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    top[0] = _mm256_max_ps(top[0], v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(top[0], top[1]), _mm256_max_ps(top[2], top[3])));
+  for (float lane : lanes) best = std::max(best, lane);
+  nan = _mm256_movemask_ps(unordered) != 0;
+#endif
   for (; i < V; ++i) {
     nan = nan || std::isnan(x[i]);
-    if (x[i] > best || (i == 0)) best = x[i], best_index = i;
+    best = std::max(best, x[i]);
   }
-  return nan ? -1 : best_index;
+  return best;
 }
+
+// The first index holding `value` (which the row holds).
+int64_t first_at(const float* x, int64_t V, float value) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 wanted = _mm512_set1_ps(value);
+  for (; i + 16 <= V; i += 16)
+    if (const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), wanted, _CMP_EQ_OQ))
+      return i + __builtin_ctz(hit);
+#else
+  const __m256 wanted = _mm256_set1_ps(value);
+  for (; i + 8 <= V; i += 8)
+    if (const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), wanted, _CMP_EQ_OQ)))
+      return i + __builtin_ctz(hit);
+#endif
+  for (; i < V; ++i)
+    if (x[i] == value) return i;
+  return 0;  // unreachable for a row without NaN
+}
+
+// sum(exp(x - top)) over a row, in one fixed order (eight lanes, then the fixed lane sum).
+float exp_sum(const float* row, int64_t V, float top) {
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 lanes = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= V; j += 8)
+    lanes = _mm256_add_ps(lanes, specdecode::exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift)));
+  float total = specdecode::lane_sum(lanes);
+  for (; j < V; ++j) total += std::exp(row[j] - top);
+  return total;
+}
+
+void check_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, V] float32");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t(1) << 31), "rows must hold 1 to 2^31 - 1 values");
+}
+
+// Logits come straight from the LM head, whose threads each wrote a contiguous share of every row's columns into
+// their own core's cache: reading a whole row on one core fetched the other's share across the chip (a draft's 32k
+// row cost ~90 us that way, 28 us when cached). So each thread reduces the share of the columns the same split gives
+// it, and the shares' results are combined in column order.
+constexpr int64_t kMinShare = 4096;  // columns: below this a thread's start-up costs more than the read
+
+int64_t shares_of(int64_t V) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), V / kMinShare)); }
+
+// One share's reduction of one row: its largest value and the first column holding it.
+struct ShareMax {
+  float value = -INFINITY;
+  int64_t index = 0;
+  bool nan = false;
+};
 
 }  // namespace
 
 torch::Tensor argmax_rows(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, V] float32");
-  TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t(1) << 31), "rows must hold 1 to 2^31 - 1 values");
-  const int64_t M = x.size(0), V = x.size(1);
+  check_rows(x);
+  const int64_t M = x.size(0), V = x.size(1), S = shares_of(V), width = (V + S - 1) / S;
   auto out = torch::empty({M}, x.options().dtype(torch::kInt64));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, M, 1, [&](int64_t first, int64_t last) {
-    for (int64_t m = first; m < last; ++m) op[m] = row_argmax(xp + m * V, V);
+  std::vector<ShareMax> share(M * S);
+  at::parallel_for(0, S, 1, [&](int64_t first, int64_t last) {
+    for (int64_t s = first; s < last; ++s) {
+      const int64_t begin = s * width, n = std::min(V, begin + width) - begin;
+      for (int64_t m = 0; m < M; ++m) {
+        ShareMax& r = share[m * S + s];
+        r.value = row_max(xp + m * V + begin, n, r.nan);
+        if (!r.nan) r.index = begin + first_at(xp + m * V + begin, n, r.value);
+      }
+    }
   });
+  for (int64_t m = 0; m < M; ++m) {  // the first share holding the largest value: the first index on ties
+    const ShareMax* r = &share[m * S];
+    int64_t best = 0;
+    bool nan = r[0].nan;
+    for (int64_t s = 1; s < S; ++s) {
+      nan = nan || r[s].nan;
+      if (r[s].value > r[best].value) best = s;
+    }
+    op[m] = nan ? -1 : r[best].index;
+  }
   return out;
 }
 
-// Each row's argmax and the softmax probability of it, 1 / sum(exp(x - max)): what a greedy chain drafter keeps of
-// a draft forward's logits, without a softmax over the whole row (~45 us for a 32k head with torch's operations).
-// The sum runs in one fixed order per row (eight lanes, then the fixed lane sum). A row with a NaN: index -1.
-std::vector<torch::Tensor> top1_probs(const torch::Tensor& x) {
-  auto index = argmax_rows(x);
+// Each row's k likeliest tokens, likeliest first (the lower index first among equals), and their softmax
+// probabilities exp(x - max) / sum(exp(x - max)): what a greedy drafter keeps of a draft forward's logits (torch's
+// softmax and topk over a 32k head take ~120 us a row; k = 1 is a chain's child). Each share of the columns keeps
+// its own k best and its exp sum against its own maximum; the shares merge in column order. Index -1 (and
+// probability 0) where a row has a NaN or fewer than k values above -inf; the caller then asks torch.
+std::vector<torch::Tensor> topk_probs(const torch::Tensor& x, int64_t k) {
+  check_rows(x);
   const int64_t M = x.size(0), V = x.size(1);
-  auto prob = torch::empty({M}, x.options());
+  TORCH_CHECK(k >= 1 && k <= V, "k must be in [1, vocabulary]");
+  const int64_t S = shares_of(V), width = (V + S - 1) / S;
+  auto index = torch::full({M, k}, -1, x.options().dtype(torch::kInt64));
+  auto prob = torch::zeros({M, k}, x.options());
   const float* xp = x.data_ptr<float>();
-  const int64_t* ip = index.data_ptr<int64_t>();
+  std::vector<float> top(M * S * k, -INFINITY), share_max(M * S), share_sum(M * S);
+  std::vector<int64_t> at(M * S * k, -1);
+  std::vector<char> nan(M * S);
+  // keep (v, j) among the k best of best[0..k) / where[0..k) if strictly above the k-th: an equal later value
+  // stays out, so among equals the lower index comes first
+  auto offer = [k](float* best, int64_t* where, float v, int64_t j) {
+    if (!(v > best[k - 1])) return;
+    int64_t place = k - 1;
+    while (place > 0 && v > best[place - 1]) best[place] = best[place - 1], where[place] = where[place - 1], --place;
+    best[place] = v, where[place] = j;
+  };
+  at::parallel_for(0, S, 1, [&](int64_t first, int64_t last) {
+    for (int64_t s = first; s < last; ++s) {
+      const int64_t begin = s * width, n = std::min(V, begin + width) - begin;
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t r = m * S + s;
+        const float* row = xp + m * V + begin;
+        bool row_nan = false;
+        share_max[r] = row_max(row, n, row_nan);
+        nan[r] = row_nan;
+        if (row_nan) continue;
+        float* best = &top[r * k];
+        int64_t* where = &at[r * k];
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        for (; j + 16 <= n; j += 16) {  // most blocks hold nothing above the k-th kept value
+          __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), _mm512_set1_ps(best[k - 1]), _CMP_GT_OQ);
+          for (; above; above &= above - 1) {
+            const int64_t c = j + __builtin_ctz(above);
+            offer(best, where, row[c], begin + c);
+          }
+        }
+#else
+        for (; j + 8 <= n; j += 8) {
+          const __m256 kth = _mm256_set1_ps(best[k - 1]);
+          int above = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), kth, _CMP_GT_OQ));
+          for (; above; above &= above - 1) {
+            const int64_t c = j + __builtin_ctz(above);
+            offer(best, where, row[c], begin + c);
+          }
+        }
+#endif
+        for (; j < n; ++j) offer(best, where, row[j], begin + j);
+        share_sum[r] = share_max[r] == -INFINITY ? 0.f : exp_sum(row, n, share_max[r]);
+      }
+    }
+  });
+  int64_t* ip = index.data_ptr<int64_t>();
   float* pp = prob.data_ptr<float>();
+  std::vector<float> best(k);
   for (int64_t m = 0; m < M; ++m) {
-    if (ip[m] < 0) {
-      pp[m] = NAN;
+    bool row_nan = false;
+    float peak = -INFINITY;
+    for (int64_t s = 0; s < S; ++s) row_nan = row_nan || nan[m * S + s], peak = std::max(peak, share_max[m * S + s]);
+    if (row_nan || peak == -INFINITY) continue;
+    std::fill(best.begin(), best.end(), -INFINITY);
+    int64_t* where = ip + m * k;
+    float total = 0.f;
+    for (int64_t s = 0; s < S; ++s) {  // in column order
+      const int64_t r = m * S + s;
+      if (share_max[r] != -INFINITY) total += share_sum[r] * std::exp(share_max[r] - peak);
+      for (int64_t c = 0; c < k && at[r * k + c] >= 0; ++c) offer(best.data(), where, top[r * k + c], at[r * k + c]);
+    }
+    if (where[k - 1] < 0) {  // fewer than k values above -inf
+      std::fill(where, where + k, -1);
       continue;
     }
-    const float* row = xp + m * V;
-    const __m256 top = _mm256_set1_ps(row[ip[m]]);
-    __m256 lanes = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= V; j += 8) lanes = _mm256_add_ps(lanes, specdecode::exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), top)));
-    float total = specdecode::lane_sum(lanes);
-    for (; j < V; ++j) total += std::exp(row[j] - row[ip[m]]);
-    pp[m] = 1.f / total;
+    for (int64_t c = 0; c < k; ++c) pp[m * k + c] = std::exp(best[c] - peak) / total;
   }
+  return {index, prob};
+}
+
+// Each row's argmax and the softmax probability of it, 1 / sum(exp(x - max)): what a greedy chain drafter keeps of
+// a draft forward's logits, without a softmax over the whole row. A row with a NaN: index -1, probability NaN.
+std::vector<torch::Tensor> top1_probs(const torch::Tensor& x) {
+  auto both = topk_probs(x, 1);
+  auto index = both[0].view({-1}), prob = both[1].view({-1});
+  int64_t* ip = index.data_ptr<int64_t>();
+  float* pp = prob.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < x.size(0); ++m)
+    if (ip[m] < 0) {  // a row of -inf only: torch's argmax is 0 and its softmax NaN (0 / 0); a NaN: -1
+      bool row_nan = false;
+      row_max(xp + m * x.size(1), x.size(1), row_nan);
+      ip[m] = row_nan ? -1 : 0;
+      pp[m] = NAN;
+    }
   return {index, prob};
 }
 

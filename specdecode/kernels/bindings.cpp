@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_c16_legacy", &linear_c16_legacy, "y = x @ W^T + b, 32-weight-block W with 16 channels per vector");
   m.def("argmax_rows", &argmax_rows, "each row's largest value's index, the first on ties; -1 for a row with a NaN");
   m.def("top1_probs", &top1_probs, "each row's argmax and its softmax probability; index -1 for a row with a NaN");
+  m.def("topk_probs", &topk_probs, "each row's k largest values' indices, largest first, and their softmax "
+        "probabilities; index -1 for a row with a NaN or fewer than k values above -inf");
   m.def("mask_disallowed", &mask_disallowed, "logits -inf where a grammar's token bitmask has no bit (in place)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32, batch-invariant");
   m.def("rope_store", &rope_store, "rotary q and k, k and v into the cache, q as [B, H, T, D]");

@@ -77,6 +77,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 
 torch::Tensor argmax_rows(const torch::Tensor& x);
 std::vector<torch::Tensor> top1_probs(const torch::Tensor& x);
+std::vector<torch::Tensor> topk_probs(const torch::Tensor& x, int64_t k);
 void mask_disallowed(torch::Tensor& logits, const torch::Tensor& bits);
 torch::Tensor rope_store(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
