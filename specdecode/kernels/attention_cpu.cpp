@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -84,7 +85,31 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
   // scores, eight keys at a time (eight independent chains, then one transposed sum that adds each key's lanes
   // in lane_sum's order: the same bits as dot()): the shared slots once for every row, then each row's own
   auto eight = [&](int64_t r, int64_t j, const T* const* keys) {
-    for (int64_t g = 0; g < G; ++g) {
+    int64_t g = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+      // two heads a vector: head g in the low eight lanes, g + 1 in the high, each key broadcast to both halves.
+      // Every lane runs the eight-lane path's multiply-adds in its order, so the scores are its bits, at half the
+      // instructions (a verify forward's eight rows spent most of their attention here).
+      for (; g + 2 <= G; g += 2) {
+        const float* q0 = q + r * D + g * stride;
+        const float* q1 = q0 + stride;
+        __m512 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m512 qd =
+              _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q0 + d)), _mm256_loadu_ps(q1 + d), 1);
+          for (int i = 0; i < 8; ++i)
+            a[i] = _mm512_fmadd_ps(qd, _mm512_broadcast_f32x8(_mm256_loadu_ps(keys[i] + d)), a[i]);
+        }
+        __m256 low[8], high[8];
+        for (int i = 0; i < 8; ++i) low[i] = _mm512_castps512_ps256(a[i]), high[i] = _mm512_extractf32x8_ps(a[i], 1);
+        _mm256_storeu_ps(scores + (r * G + g) * s_stride + j, _mm256_mul_ps(sum8(low), _mm256_set1_ps(scale)));
+        _mm256_storeu_ps(scores + (r * G + g + 1) * s_stride + j, _mm256_mul_ps(sum8(high), _mm256_set1_ps(scale)));
+      }
+    }
+#endif
+    for (; g < G; ++g) {
       const float* qg = q + r * D + g * stride;
       __m256 a[8];
       for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
