@@ -180,8 +180,7 @@ class DraftModelDrafter(GrowsTrees):
     def _nodes_part(self, expand: list[int], nodes: list[Node]) -> Part:
         """One draft forward over the nodes `expand` (one depth), each seeing the prefix and its ancestors."""
         self.forwards += 1
-        ids, positions, _, rows = self._place(expand, nodes, self.cache.length, self.base_length,
-                                              self.model.device, with_mask=False)
+        ids, positions, rows = self._place(expand, nodes, self.cache.length, self.base_length, self.model.device)
         return Part(ids, positions, self.cache, None, rows=rows)  # its mask, where a forward reads one: from rows
 
     def _chain_part(self, tokens: list[int], decode: bool = True) -> Part:

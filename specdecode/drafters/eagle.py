@@ -37,6 +37,7 @@ from specdecode.drafters import store
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.tree_growth import ForwardTime, GrowsTrees, Node
 from specdecode.kv_cache import KVCache
+from specdecode.model import rows_mask
 from specdecode.planner import HEAD_MIN_CONFIDENCE
 
 @dataclass(slots=True)
@@ -293,7 +294,8 @@ class EagleDrafter(GrowsTrees):
         -> their logits [len(expand), draft vocab]."""
         head = self.model
         start = self.cache.length
-        ids, positions, mask, _ = self._place(expand, nodes, start, self.base_length, head.device)
+        ids, positions, rows = self._place(expand, nodes, start, self.base_length, head.device)
+        mask = rows_mask(rows, head.device)[0, 0]  # [len(expand), start + len(expand)]
         parents = [self.root_hidden[0] if nodes[i].parent < 0 else self.hidden_of[nodes[i].parent] for i in expand]
         embeds = target_embeddings(self.target)(ids[None])[0]
         out = head.step(embeds, torch.stack(parents), positions, self.cache, mask)

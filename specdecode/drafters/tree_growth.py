@@ -64,14 +64,13 @@ class GrowsTrees(Drafter):
     def forward_s(self) -> float:
         return self.clock.seconds
 
-    def _place(self, expand: list[int], nodes: list[Node], start: int, base_length: int, device: torch.device,
-               with_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, RowSlots]:
+    def _place(self, expand: list[int], nodes: list[Node], start: int, base_length: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, RowSlots]:
         """Nodes `expand` (one depth) fed at cache slots [start, start + len(expand)) -> (their token ids, their
-        rotary positions (base_length - 1 + depth), the mask [len(expand), start + len(expand)] letting each see
-        the agreed prefix, its fed ancestors and itself (None without `with_mask`: a forward that attends by
-        slots never reads it), and the same as each row's slots). Records each node's slot. Built as lists, then
-        one tensor each: a tensor write per ancestor cost ~3 us apiece."""
-        spans, extras, mask_rows, mask_cols = [], [], [], []
+        rotary positions (base_length - 1 + depth), and each row's slots: the agreed prefix, its fed ancestors and
+        itself; model.rows_mask makes the mask of them where a forward reads one). Records each node's slot.
+        Built as lists, then one tensor each: a tensor write per ancestor cost ~3 us apiece."""
+        spans, extras = [], []
         for row, i in enumerate(expand):
             nodes[i].slot = start + row
             path, ancestor = [], i
@@ -84,16 +83,9 @@ class GrowsTrees(Drafter):
                 span, k = span + 1, k + 1
             spans.append(span)
             extras.append(path[k:])
-            mask_rows += [row] * len(path)
-            mask_cols += path
-        mask = None
-        if with_mask:
-            mask = torch.zeros(len(expand), start + len(expand), dtype=torch.bool, device=device)
-            mask[:, :base_length] = True
-            mask[mask_rows, mask_cols] = True
         ids = torch.tensor([nodes[i].token for i in expand], device=device)
         positions = torch.tensor([base_length - 1 + nodes[i].depth for i in expand], device=device)
-        return ids, positions, mask, RowSlots(spans, extras if any(extras) else [])
+        return ids, positions, RowSlots(spans, extras if any(extras) else [])
 
     def forward_took(self, seconds: float) -> None:
         self.clock.took(seconds)
