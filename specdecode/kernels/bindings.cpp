@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_c16", &repack_c16, "k-quant blocks, row layout -> 16 output channels per vector");
   m.def("linear_c16", &linear_c16, "y = x @ W^T + b, k-quant W with 16 channels per vector");
   m.def("amx_min_rows", &amx_min_rows, "rows from which Q4_K and Q6_K layers run on AMX tile products; 0: never here");
+  m.def("set_guided_units", &set_guided_units, "guided (True, the default) or one fixed share per thread (False) "
+        "for linear layers' units; the same bits either way, to compare speed");
   m.def("set_amx", &set_amx, "AMX on or off for this process (the same bits either way; to compare speed)");
   m.def("repack_c16_legacy", &repack_c16_legacy, "32-weight blocks, row layout -> 16 output channels per vector");
   m.def("linear_c16_legacy", &linear_c16_legacy, "y = x @ W^T + b, 32-weight-block W with 16 channels per vector");

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <map>
 #include <vector>
@@ -25,8 +26,41 @@ struct QuantizedActs {
   std::map<int64_t, std::vector<torch::Tensor>> by_format;
 };
 
+// How run_units shares a linear layer's units among the thread team: guided (true, the default) or one fixed share
+// per thread (false: SPECDECODE_GUIDED_UNITS=0 at start, or set_guided_units, to compare the two in one process).
+extern std::atomic<bool> guided_units;
+void set_guided_units(bool on);
+
+// Units [0, units) run as `run(first, last)` over the thread team. Guided: each thread takes the next chunk,
+// half of what is left divided among the threads, until none is left: large contiguous shares first, small ones
+// at the end, so a thread that starts late or is slowed by the memory takes fewer units instead of the other one
+// waiting for it at the join. A unit's outputs do not depend on which thread computes them: the same bits.
+template <typename Run>
+void run_units(int64_t units, Run&& run) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || units <= 1 || at::in_parallel_region()) {
+    if (units > 0) run(0, units);
+    return;
+  }
+  if (!guided_units.load(std::memory_order_relaxed)) {
+    at::parallel_for(0, units, 1, [&](int64_t first, int64_t last) { run(first, last); });
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    int64_t first = next.load(std::memory_order_relaxed);
+    while (first < units) {
+      const int64_t size = std::max<int64_t>(1, (units - first) / (2 * threads));
+      if (next.compare_exchange_weak(first, first + size, std::memory_order_relaxed)) {
+        run(first, std::min(units, first + size));
+        first = next.load(std::memory_order_relaxed);
+      }
+    }
+  });
+}
+
 inline torch::Tensor run_alone(const LinearWork& work) {
-  at::parallel_for(0, work.units, 1, [&](int64_t first, int64_t last) { work.run(first, last); });
+  run_units(work.units, [&](int64_t first, int64_t last) { work.run(first, last); });
   return work.done();
 }
 

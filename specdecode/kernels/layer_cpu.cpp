@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <string>
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -36,6 +38,13 @@ struct Laps {
 };
 
 }  // namespace
+
+std::atomic<bool> guided_units{[] {
+  const char* env = std::getenv("SPECDECODE_GUIDED_UNITS");
+  return env == nullptr || std::string(env) != "0";
+}()};
+
+void set_guided_units(bool on) { guided_units.store(on); }
 
 void set_layer_profiling(bool on) {
   std::fill(stage_seconds, stage_seconds + kStages, 0.0);
@@ -118,7 +127,7 @@ std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector
     works.push_back(op->work(x, acts));
     first_unit.push_back(first_unit.back() + works.back().units);
   }
-  at::parallel_for(0, first_unit.back(), 1, [&](int64_t first, int64_t last) {
+  run_units(first_unit.back(), [&](int64_t first, int64_t last) {
     for (size_t i = 0; i < works.size(); ++i) {  // the share of [first, last) that falls in each layer
       const int64_t begin = std::max(first, first_unit[i]), end = std::min(last, first_unit[i + 1]);
       if (begin < end) works[i].run(begin - first_unit[i], end - first_unit[i]);
