@@ -230,3 +230,34 @@ def test_draft_nodes_carry_the_slots_their_mask_gives():
                 j = nodes[j].parent
         assert rows == row_slots(mask[None, None])
         assert torch.equal(rows_mask(rows), mask[None, None])  # the mask a forward builds from the rows
+
+
+@pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+@pytest.mark.parametrize("mode", ["q8_0", "q4_k"])
+def test_native_layers_give_the_same_bits_with_guided_or_fixed_thread_shares(mode):
+    """Two threads share each group of linear layers (q, k, v; gate, up) in guided chunks or fixed halves
+    (kernels.h, run_units): the forward's logits and hidden states are the same bits either way."""
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
+    model = quantize_(tiny_native("qwen2", seed=6, **shape), mode)
+
+    def run() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            cache = model.new_cache(1, 32)
+            model(torch.tensor([[7, 3, 9, 1]]), torch.arange(4)[None], cache, chain_mask(0, 4))
+            cache.truncate(4)
+            logits, hidden = model(torch.tensor([[4, 5, 6, 2, 8]]), torch.arange(4, 9)[None], cache,
+                                   chain_mask(4, 5), decode=True)
+        return [logits, hidden]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the suite runs on one thread (conftest.py), where there is nothing to share
+        kernels.set_guided_units(False)
+        fixed = run()
+        kernels.set_guided_units(True)
+        guided = run()
+    finally:
+        kernels.set_guided_units(True)
+        torch.set_num_threads(threads)
+    assert model._native[1] is not None, "the native layers did not run"
+    assert all(torch.equal(a, b) for a, b in zip(fixed, guided, strict=True))
