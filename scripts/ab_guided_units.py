@@ -28,7 +28,7 @@ def timed_forward(model, cache, rows: int) -> float:
     began = time.perf_counter()
     model.forward_parts([chain_part(torch.arange(500, 500 + rows), cache, rows - 1, True)])
     took = time.perf_counter() - began
-    cache.length = CONTEXT  # the rows' keys and values are dropped: every forward sees the same context
+    cache.truncate(CONTEXT)  # the rows' keys and values are dropped: every forward sees the same context
     return took
 
 
@@ -51,7 +51,7 @@ def main() -> None:
         for name, model in models.items():
             cache = model.new_cache(1, CONTEXT + max(sizes) + 8)
             model.forward_parts([chain_part(torch.arange(100, 100 + CONTEXT), cache, CONTEXT - 1, True)])
-            cache.length = CONTEXT
+            cache.truncate(CONTEXT)
             caches[name] = cache
         try:
             for r in range(args.rounds):

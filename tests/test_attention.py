@@ -234,7 +234,7 @@ def test_draft_nodes_carry_the_slots_their_mask_gives():
 
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
 @pytest.mark.parametrize("mode", ["q8_0", "q4_k"])
-def test_native_layers_give_the_same_bits_with_guided_or_fixed_thread_shares(mode):
+def test_native_layers_give_the_same_bits_with_guided_or_fixed_thread_shares(mode, both_thread_shares):
     """Two threads share each group of linear layers (q, k, v; gate, up) in guided chunks or fixed halves
     (kernels.h, run_units): the forward's logits and hidden states are the same bits either way."""
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
@@ -249,15 +249,6 @@ def test_native_layers_give_the_same_bits_with_guided_or_fixed_thread_shares(mod
                                    chain_mask(4, 5), decode=True)
         return [logits, hidden]
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)  # the suite runs on one thread (conftest.py), where there is nothing to share
-        kernels.set_guided_units(False)
-        fixed = run()
-        kernels.set_guided_units(True)
-        guided = run()
-    finally:
-        kernels.set_guided_units(True)
-        torch.set_num_threads(threads)
+    fixed, guided = both_thread_shares(run)
     assert model._native[1] is not None, "the native layers did not run"
     assert all(torch.equal(a, b) for a, b in zip(fixed, guided, strict=True))

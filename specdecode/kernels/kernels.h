@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <functional>
 #include <map>
+#include <string>
 #include <vector>
 
 // A linear layer's work, prepared (input quantized, output allocated): `run(first, last)` computes its units
@@ -25,6 +27,12 @@ struct LinearWork {
 struct QuantizedActs {
   std::map<int64_t, std::vector<torch::Tensor>> by_format;
 };
+
+// A switch read from the environment at start: on unless NAME=0 (SPECDECODE_AMX, SPECDECODE_GUIDED_UNITS).
+inline bool env_switch_on(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr || std::string(value) != "0";
+}
 
 // How run_units shares a linear layer's units among the thread team: guided (true, the default) or one fixed share
 // per thread (false: SPECDECODE_GUIDED_UNITS=0 at start, or set_guided_units, to compare the two in one process).

@@ -7,8 +7,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
-#include <string>
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -39,10 +37,7 @@ struct Laps {
 
 }  // namespace
 
-std::atomic<bool> guided_units{[] {
-  const char* env = std::getenv("SPECDECODE_GUIDED_UNITS");
-  return env == nullptr || std::string(env) != "0";
-}()};
+std::atomic<bool> guided_units{env_switch_on("SPECDECODE_GUIDED_UNITS")};
 
 void set_guided_units(bool on) { guided_units.store(on); }
 

@@ -421,10 +421,7 @@ void joint_tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, fl
 #endif
 
 // AMX on or off for this process: SPECDECODE_AMX=0 at start, or set_amx (an A/B of the two in one process).
-std::atomic<bool> amx_wanted{[] {
-  const char* env = std::getenv("SPECDECODE_AMX");
-  return env == nullptr || std::string(env) != "0";
-}()};
+std::atomic<bool> amx_wanted{env_switch_on("SPECDECODE_AMX")};
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VNNI__)
