@@ -192,7 +192,7 @@ class Sequence:
         operations on so few cost more than the arithmetic."""
         draft, device = self.draft, self.device
         parents = draft.parents.tolist()
-        self._chain = parents == list(range(-1, len(parents) - 1))
+        self._chain = draft.is_chain
         self._depths = list(range(1, len(parents) + 1)) if self._chain else tree_depths(parents)
         start = self.cache.length
         ids = torch.cat((torch.tensor([self.tokens[-1]], device=device), draft.tokens.to(device)))
