@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
@@ -60,7 +59,7 @@ class LookaheadDrafter(Drafter):
             self.guess = (ctx.tokens[-self.window - 1 : -1] or [root]) * self.window
             self.guess = self.guess[: self.window]
         depth = min(max_tokens, ctx.max_depth)
-        found = [np.asarray(g[:depth], dtype=np.int64) for g in self.pool.get(root, ())]
+        found = [g[:depth] for g in self.pool.get(root, ())]
         tokens, parents, share = trie(found, max_tokens)
         rate = self.hits / self.tried
         scores: list[float] = []

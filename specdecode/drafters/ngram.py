@@ -14,7 +14,8 @@ n-gram guess whose parent it accepted (this request's own record, starting from 
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Sequence
+
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
@@ -65,8 +66,7 @@ class NgramDrafter(Drafter):
                 self.hits += i + 1 < len(on_path)
 
 
-def trie(continuations: list[np.ndarray] | list[list[int]],
-         max_tokens: int) -> tuple[list[int], list[int], list[float]]:
+def trie(continuations: Sequence[Sequence[int]], max_tokens: int) -> tuple[list[int], list[int], list[float]]:
     """Merge continuations (best first) into a trie of at most max_tokens nodes, parents before children.
     -> (tokens, parents, share of the parent's continuations that pass through each node)."""
     tokens: list[int] = []
@@ -75,7 +75,7 @@ def trie(continuations: list[np.ndarray] | list[list[int]],
     child_of: dict[tuple[int, int], int] = {}
     for continuation in continuations:
         node = -1
-        for token in continuation.tolist() if isinstance(continuation, np.ndarray) else continuation:
+        for token in continuation:
             key = (node, token)
             if key not in child_of:
                 if len(tokens) == max_tokens:
