@@ -127,9 +127,12 @@ def time_forward(model: torch.nn.Module, context: int, rows: int, repeats: int) 
 
 
 def parallel_regions(model: torch.nn.Module, rows: int) -> int:
-    """Fork-joins of the thread team one forward starts at least: one per group of linear layers that read one
-    input, one per attention call with more than one unit of work, and the LM head's (more rows add the
-    activations' quantization)."""
+    """Fork-joins of the thread team one forward starts at least. With the layers in one team region
+    (kernels.set_team, on by default): that region and the LM head's. Before it: one per group of linear layers
+    that read one input, one per attention call with more than one unit of work, and the LM head's (more rows
+    add the activations' quantization)."""
+    if hasattr(cpu_kernels(), "set_team"):
+        return 2
     c = model.config
     attention = 1 if c.num_kv_heads * rows > 1 else 0
     return c.num_layers * (4 + attention) + 1  # q k v together, o, gate up together, down

@@ -272,7 +272,18 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u. On the CPU in float32 (not training) the native kernel the native layers apply, so a forward
+    through this loop gives their bits."""
+    if (g.dtype == torch.float32 and g.is_cpu and g.shape == u.shape and g.shape[-1] % 8 == 0
+            and not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad))):
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return kernels.silu_mul_(g.contiguous(), u.contiguous())
+    return F.silu(g) * u
 
 
 class Block(nn.Module):
@@ -301,7 +312,7 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self._native: tuple[tuple, list | None] = ((), None)  # (the linear modules it was built from, the layers)
+        self._native: tuple[tuple, object | None] = ((), None)  # (the linear modules it was built from, the stack)
         self._native_edits = -1  # module_edits.count when the linear modules were last compared
 
     @property
@@ -368,20 +379,14 @@ class Transformer(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        captured = []
         if (native := self._native_layers(x, segments)) is not None:
-            # decode steps, one native call a layer: the same operations as the loop below, without its glue
+            # decode steps, every layer and the final norm in one native call: the same operations as the loop below
             rows = cpu_kernels().DecodeRows(
                 [s.begin for s in segments], [s.end for s in segments], [s.cache.length for s in segments],
                 [s.rows.spans for s in segments], [s.rows.extras for s in segments],
                 [s.cache.k for s in segments], [s.cache.v for s in segments])  # fmt: skip
-            h, cos2, sin2 = x[0], cos[0, 0], sin[0, 0]  # [T, d], [T, hd]
-            for i, layer in enumerate(native):
-                if i in feature_layers:
-                    captured.append(h[None])
-                h = layer.forward(h, cos2, sin2, rows)
-            x = self.model.norm(h[None])
-            return torch.cat((x, *captured), dim=-1) if captured else x
+            return native.forward(x[0], cos[0, 0], sin[0, 0], rows, list(feature_layers))[None]
+        captured = []
         for i, block in enumerate(self.model.layers):
             if i in feature_layers:
                 captured.append(x)
@@ -391,8 +396,9 @@ class Transformer(nn.Module):
         return torch.cat((x, *captured), dim=-1) if captured else x
 
 
-    def _native_layers(self, x: torch.Tensor, segments: list[Segment]) -> list | None:
-        """The decoder layers as native decode steps (kernels/layer_cpu.h), or None where the Python loop must run:
+    def _native_layers(self, x: torch.Tensor, segments: list[Segment]):
+        """The decoder layers and the final norm as one native decode step (kernels/layer_cpu.h, DecoderStack), or
+        None where the Python loop must run:
         not float32 on the CPU, a batch of several rows, a prefill segment, a float32 cache missing, or a linear
         layer that is not on a kernel (a LoRA adapter, for one). Built once and rebuilt if a layer is replaced."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1:
@@ -415,7 +421,7 @@ class Transformer(nn.Module):
                       mlp["up_proj"], mlp["down_proj"])  # fmt: skip
         return tuple(found)
 
-    def _build_native(self, linears: tuple[nn.Module, ...]) -> list | None:
+    def _build_native(self, linears: tuple[nn.Module, ...]):
         kernels, c = cpu_kernels(), self.config
         if kernels is None or c.hidden_size % 8 or c.head_dim % 8:
             return None
@@ -432,7 +438,10 @@ class Transformer(nn.Module):
                 i, attn.num_heads, attn.num_kv_heads, attn.head_dim, block.input_layernorm.eps,
                 block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach(), q_norm, k_norm,
                 *ops[7 * i : 7 * i + 7]))  # fmt: skip
-        return layers
+        norm = self.model.norm
+        if norm.weight.dtype != torch.float32:
+            return None
+        return kernels.DecoderStack(layers, norm.weight.detach(), norm.eps)
 
 
 def rows_exact(model: nn.Module) -> bool:

@@ -9,23 +9,24 @@ torch.set_num_threads(1)  # tiny models: threads only add wake-up latency
 
 
 @pytest.fixture
-def both_thread_shares():
-    """-> run(compute) -> (its result with fixed thread shares, with guided ones), on two threads: the suite runs
-    on one (above), where the kernels have nothing to share (kernels.h, run_units)."""
+def switch_both_ways():
+    """-> run(switch, compute) -> (its result with the kernels' switch off, then on), on two threads: the suite runs
+    on one (above), where the kernels have nothing to share. Switches: "guided_units" (kernels.h, run_units),
+    "team" (team_cpu.h)."""
     from specdecode.kernels import cpu_kernels
 
     kernels = cpu_kernels()
 
-    def run(compute):
-        threads = torch.get_num_threads()
+    def run(switch, compute):
+        threads, turn = torch.get_num_threads(), getattr(kernels, f"set_{switch}")
         try:
             torch.set_num_threads(2)
-            kernels.set_guided_units(False)
-            fixed = compute()
-            kernels.set_guided_units(True)
-            return fixed, compute()
+            turn(False)
+            off = compute()
+            turn(True)
+            return off, compute()
         finally:
-            kernels.set_guided_units(True)
+            turn(True)
             torch.set_num_threads(threads)
 
     return run

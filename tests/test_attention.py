@@ -234,7 +234,7 @@ def test_draft_nodes_carry_the_slots_their_mask_gives():
 
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
 @pytest.mark.parametrize("mode", ["q8_0", "q4_k"])
-def test_native_layers_give_the_same_bits_with_guided_or_fixed_thread_shares(mode, both_thread_shares):
+def test_native_layers_give_the_same_bits_with_guided_or_fixed_thread_shares(mode, switch_both_ways):
     """Two threads share each group of linear layers (q, k, v; gate, up) in guided chunks or fixed halves
     (kernels.h, run_units): the forward's logits and hidden states are the same bits either way."""
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
@@ -249,6 +249,48 @@ def test_native_layers_give_the_same_bits_with_guided_or_fixed_thread_shares(mod
                                    chain_mask(4, 5), decode=True)
         return [logits, hidden]
 
-    fixed, guided = both_thread_shares(run)
+    kernels.set_team(False)  # the groups of linear layers in their own regions, shared by run_units
+    try:
+        fixed, guided = switch_both_ways("guided_units", run)
+    finally:
+        kernels.set_team(True)
     assert model._native[1] is not None, "the native layers did not run"
     assert all(torch.equal(a, b) for a, b in zip(fixed, guided, strict=True))
+
+
+@pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+@pytest.mark.parametrize("mode", ["q8_0", "q4_k"])
+def test_a_forward_in_one_team_region_gives_the_bits_of_a_region_per_layer_group(mode, switch_both_ways, monkeypatch):
+    """On two threads a decode forward runs its layers in one parallel region: the second thread reads the next
+    weights ahead and computes units from the back (team_cpu.h). Chains, trees, ragged batches and an EAGLE head's
+    features give the same bits as one region per group of linear layers, and as model.py's loop."""
+    from specdecode.model import Part, Transformer
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
+    model = quantize_(tiny_native("qwen2", seed=7, num_hidden_layers=3, **shape), mode)
+    tokens, parents = torch.tensor([4, 5, 6, 2, 8]), torch.tensor([-1, 0, 0, 1])
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            caches = [model.new_cache(1, 32) for _ in range(2)]
+            for cache in caches:
+                model(torch.tensor([[7, 3, 9, 1]]), torch.arange(4)[None], cache, chain_mask(0, 4))
+                cache.truncate(4)
+            out += model(tokens[None], torch.arange(4, 9)[None], caches[0], chain_mask(4, 5), decode=True,
+                         feature_layers=(0, 2))
+            positions = (4 + torch.cat((torch.zeros(1, dtype=torch.long), depths(parents))))[None]
+            ids = torch.cat((torch.tensor([1]), tokens[:4]))[None]
+            out += model(ids, positions, caches[1], tree_mask(4, parents), decode=True)
+            parts = [Part(tokens[:2], torch.arange(9, 11), caches[0], chain_mask(9, 2)),
+                     Part(tokens[2:], torch.arange(9, 12), caches[1], chain_mask(9, 3))]  # fmt: skip
+            for logits, hidden in model.forward_parts(parts):
+                out += [logits, hidden]
+        return out
+
+    regions, team = switch_both_ways("team", run)
+    assert model._native[1] is not None, "the native layers did not run"
+    assert all(torch.equal(a, b) for a, b in zip(regions, team, strict=True))
+    monkeypatch.setattr(Transformer, "_native_layers", lambda self, x, segments: None)
+    python, _ = switch_both_ways("team", run)
+    assert all(torch.equal(a, b) for a, b in zip(python, team, strict=True))

@@ -90,13 +90,13 @@ def test_every_row_is_computed_as_if_alone(type_name, out):
 
 @needs_kernel
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0"])
-def test_units_shared_guided_or_fixed_give_the_same_bits(type_name, both_thread_shares):
+def test_units_shared_guided_or_fixed_give_the_same_bits(type_name, switch_both_ways):
     """The thread team takes a layer's 16-channel units in guided chunks (kernels.h, run_units) or in one fixed
     share per thread: a unit's outputs never depend on which thread ran it, nor on the chunks around it."""
     torch.manual_seed(2)
     layer = QuantLinear(packed(type_name, out=16 * 37, inp=512, seed=2), torch.randn(16 * 37), kernels)
     x = torch.randn(9, 512)
-    fixed, guided = both_thread_shares(lambda: [layer(x[:rows]) for rows in (1, 4, 9)])
+    fixed, guided = switch_both_ways("guided_units", lambda: [layer(x[:rows]) for rows in (1, 4, 9)])
     assert all(torch.equal(a, b) for a, b in zip(fixed, guided, strict=True))
 
 

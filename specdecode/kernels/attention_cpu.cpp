@@ -215,10 +215,13 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
 // rows, few enough that a prompt fed as decode rows still splits across the threads.
 constexpr int64_t kRows = 8;
 
+// One unit of work: up to kRows rows of a batch entry against one KV head, for all the query heads that read it.
+// Scratch per thread, kept between calls (a step calls this once per layer and unit).
 template <typename T>
-void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-            const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras, torch::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3);
+LinearWork attend_work(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras,
+                       torch::Tensor out) {
+  const int64_t H = q.size(1), T_ = q.size(2), D = q.size(3);
   const int64_t Hkv = k_cache.size(1), S_max = k_cache.size(2), group = H / Hkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const float* qp = q.data_ptr<float>();
@@ -229,9 +232,12 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   int64_t longest = 0;
   for (size_t t = 0; t < spans.size(); ++t)
     longest = std::max<int64_t>(longest, spans[t] + (extras.empty() ? 0 : extras[t].size()));
-  // one unit of work: up to kRows rows of a batch entry against one KV head, for all the query heads that read it
-  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(kRows * group * (longest + 8)), inv_total(kRows * group);  // per thread, reused
+  LinearWork work;
+  work.units = q.size(0) * Hkv * chunks;
+  work.run = [=, &spans, &extras](int64_t first, int64_t last) {
+    thread_local std::vector<float> scores, inv_total;
+    scores.resize(std::max<size_t>(scores.size(), kRows * group * (longest + 8)));
+    inv_total.resize(std::max<size_t>(inv_total.size(), kRows * group));
     for (int64_t i = first; i < last; ++i) {
       const int64_t b = i / (Hkv * chunks), kvh = (i / chunks) % Hkv, t0 = (i % chunks) * kRows;
       const int64_t t1 = std::min(T_, t0 + kRows);
@@ -239,13 +245,15 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
       attend_rows(qp + row, op + row, T_ * D, group, kp + kv, vp + kv, spans, extras, t0, t1, D, scale,
                   scores.data(), longest + 8, inv_total.data());
     }
-  });
+  };
+  work.done = [out] { return out; };
+  return work;
 }
 
 }  // namespace
 
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras) {
+LinearWork decode_attention_work(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: float32 [B, H, T, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: [B, Hkv, S, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches must share a dtype");
@@ -259,13 +267,14 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
       TORCH_CHECK(s >= spans[t] && s < k_cache.size(2) && spans[t] + extras[t].size() <= size_t(k_cache.size(2)),
                   "extra slot out of the cache");
   auto out = torch::empty_like(q);
-  if (k_cache.scalar_type() == torch::kFloat32) {
-    attend<float>(q, k_cache, v_cache, spans, extras, out);
-  } else {
-    TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "caches must be float32 or bfloat16");
-    attend<at::BFloat16>(q, k_cache, v_cache, spans, extras, out);
-  }
-  return out;
+  if (k_cache.scalar_type() == torch::kFloat32) return attend_work<float>(q, k_cache, v_cache, spans, extras, out);
+  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "caches must be float32 or bfloat16");
+  return attend_work<at::BFloat16>(q, k_cache, v_cache, spans, extras, out);
+}
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                               std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras) {
+  return run_alone(decode_attention_work(q, k_cache, v_cache, spans, extras));
 }
 
 // The glue of one attention layer in one call (a one-token step is mostly small framework operations):

@@ -11,6 +11,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_min_rows", &amx_min_rows, "rows from which Q4_K and Q6_K layers run on AMX tile products; 0: never here");
   m.def("set_guided_units", &set_guided_units, "guided (True, the default) or one fixed share per thread (False) "
         "for linear layers' units; the same bits either way, to compare speed");
+  m.def("set_team", &set_team, "a decode forward's layers in one parallel region (True, the default) or one region "
+        "per group of linear layers (False); the same bits either way, to compare speed");
+  m.def("set_read_ahead", &set_read_ahead, "bytes of weights a helper thread reads ahead per stage of a decode "
+        "forward's region (-1: half its L2 cache, the default; 0: none); returns the bytes in force");
   m.def("set_amx", &set_amx, "AMX on or off for this process (the same bits either way; to compare speed)");
   m.def("repack_c16_legacy", &repack_c16_legacy, "32-weight blocks, row layout -> 16 output channels per vector");
   m.def("linear_c16_legacy", &linear_c16_legacy, "y = x @ W^T + b, 32-weight-block W with 16 channels per vector");
@@ -20,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "probabilities; index -1 for a row with a NaN or fewer than k values above -inf");
   m.def("mask_disallowed", &mask_disallowed, "logits -inf where a grammar's token bitmask has no bit (in place)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32, batch-invariant");
+  m.def("silu_mul_", &silu_mul_, "g = silu(g) * u in place, float32, each value by one fixed sequence of operations");
   m.def("rope_store", &rope_store, "rotary q and k, k and v into the cache, q as [B, H, T, D]");
   m.def("decode_attention", &decode_attention, "per-row attention over a prefix then extra slots, batch-invariant",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("spans"),
@@ -51,4 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("q"),
            py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"))
       .def("forward", &DecoderLayer::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rows"));
+  py::class_<DecoderStack>(m, "DecoderStack", "every decoder layer and the final norm: a decode forward in one call "
+                                              "(layer_cpu.h)")
+      .def(py::init<std::vector<DecoderLayer>, torch::Tensor, double>(), py::arg("layers"), py::arg("norm"),
+           py::arg("eps"))
+      .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rows"),
+           py::arg("features"));
 }

@@ -20,6 +20,11 @@ struct LinearWork {
   int64_t units = 0;
   std::function<void(int64_t, int64_t)> run;
   std::function<torch::Tensor()> done;
+  // Where unit u writes (the 16-channel kernels): y[m * cols + 16 u + i] for rows m < rows, so that a decoder
+  // layer can finish a unit's outputs (the residual add, SiLU) right after the thread computing it wrote them.
+  // Null where the work has no units.
+  float* y = nullptr;
+  int64_t rows = 0, cols = 0;
 };
 
 // An input's activations as the integer kernels read them, by block format (the group size): quantized once for
@@ -38,6 +43,10 @@ inline bool env_switch_on(const char* name) {
 // per thread (false: SPECDECODE_GUIDED_UNITS=0 at start, or set_guided_units, to compare the two in one process).
 extern std::atomic<bool> guided_units;
 void set_guided_units(bool on);
+void set_team(bool on);  // a decode forward in one parallel region (layer_cpu.cpp, DecoderStack), on by default
+// Bytes of weights a helper thread reads ahead per stage of that region (-1: half its L2 cache, the default; 0:
+// none). Returns the bytes now in force.
+int64_t set_read_ahead(int64_t bytes);
 
 // Units [0, units) run as `run(first, last)` over the thread team. Guided: each thread takes the next chunk,
 // half of what is left divided among the threads, until none is left: large contiguous shares first, small ones
@@ -114,6 +123,14 @@ torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& cod
                                 const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
                                 int64_t bits, int64_t offset);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// g = silu(g) * u over rows [0, M) and channels [c0, c1) (multiples of 8) of [M, N] float32 arrays: every value by
+// one fixed sequence of operations (the MLP of the native layers and of model.py's loop on the CPU both call it).
+void silu_mul_rows(float* g, const float* u, int64_t M, int64_t N, int64_t c0, int64_t c1);
+torch::Tensor silu_mul_(torch::Tensor& g, const torch::Tensor& u);  // in place on g, returned
+// decode_attention's work in units (a KV head and up to eight rows each), for a parallel region shared with other
+// work: spans and extras must outlive it.
+LinearWork decode_attention_work(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras);
 

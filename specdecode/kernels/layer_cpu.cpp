@@ -7,9 +7,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <unistd.h>
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace {
 
@@ -40,6 +42,21 @@ struct Laps {
 std::atomic<bool> guided_units{env_switch_on("SPECDECODE_GUIDED_UNITS")};
 
 void set_guided_units(bool on) { guided_units.store(on); }
+
+// The whole decode forward in one team region (on by default; SPECDECODE_TEAM=0 or set_team: a parallel region
+// per group of linear layers instead, to compare the two in one process).
+std::atomic<bool> team_forward{env_switch_on("SPECDECODE_TEAM")};
+std::atomic<int64_t> read_ahead{-1};  // set_read_ahead: -1, half the L2 cache
+namespace {
+int64_t ahead_bytes();
+}
+
+void set_team(bool on) { team_forward.store(on); }
+
+int64_t set_read_ahead(int64_t bytes) {
+  read_ahead.store(bytes);
+  return ahead_bytes();
+}
 
 void set_layer_profiling(bool on) {
   std::fill(stage_seconds, stage_seconds + kStages, 0.0);
@@ -114,6 +131,23 @@ LinearWork LinearOp::work(const torch::Tensor& x, QuantizedActs& acts) const {
   return whole;
 }
 
+int64_t LinearOp::unit_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& t : tensors)
+    if (t.numel() && t.size(0) == units()) bytes += t.nbytes() / units();
+  return bytes;
+}
+
+void LinearOp::prefetch_unit(int64_t u) const {
+  // The repacked weights keep each unit's values together in every tensor: rows of dimension 0.
+  for (const auto& t : tensors) {
+    if (!t.numel() || t.size(0) != units()) continue;
+    const int64_t bytes = t.nbytes() / units();
+    const char* p = static_cast<const char*>(t.data_ptr()) + u * bytes;
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(p + at, _MM_HINT_T1);
+  }
+}
+
 std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector<const LinearOp*>& ops) {
   QuantizedActs acts;  // held until every unit has run: the works point into it
   std::vector<LinearWork> works;
@@ -173,7 +207,7 @@ torch::Tensor DecoderLayer::forward(const torch::Tensor& x, const torch::Tensor&
   auto g = gate_up[0];
   const auto& u = gate_up[1];
   laps.mark(6);
-  const auto act = at::silu_(g).mul_(u);
+  const auto act = silu_mul_(g, u);
   laps.mark(7);
   auto mlp = down(act);
   laps.mark(8);
@@ -181,4 +215,175 @@ torch::Tensor DecoderLayer::forward(const torch::Tensor& x, const torch::Tensor&
   laps.mark(9);
   if (laps.on) ++profiled_calls;
   return result;
+}
+
+namespace {
+
+// y += r over rows [0, M) and channels [c0, c1) of [M, N]: the residual add, one float add per value (the sum the
+// Python loop's x + y rounds to).
+void add_rows(float* y, const float* r, int64_t M, int64_t N, int64_t c0, int64_t c1) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = c0; c < c1; c += 8)
+      _mm256_storeu_ps(y + m * N + c, _mm256_add_ps(_mm256_loadu_ps(y + m * N + c), _mm256_loadu_ps(r + m * N + c)));
+}
+
+// Works read by one parallel stage: units [first, last) of their concatenation, each work its share.
+struct Works {
+  std::vector<LinearWork> works;
+  std::vector<int64_t> first_unit{0};
+  void add(LinearWork work) {
+    first_unit.push_back(first_unit.back() + work.units);
+    works.push_back(std::move(work));
+  }
+  void run(int64_t first, int64_t last) const {
+    for (size_t i = 0; i < works.size(); ++i) {
+      const int64_t begin = std::max(first, first_unit[i]), end = std::min(last, first_unit[i + 1]);
+      if (begin < end) works[i].run(begin - first_unit[i], end - first_unit[i]);
+    }
+  }
+};
+
+// How much a helper reads ahead per stage: half its L2 cache (1 MB where the system does not say) unless set.
+int64_t ahead_bytes() {
+  static const int64_t half_l2 = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 > 0 ? static_cast<int64_t>(l2) / 2 : int64_t{1} << 20;
+  }();
+  const int64_t set = read_ahead.load(std::memory_order_relaxed);
+  return set >= 0 ? set : half_l2;
+}
+
+}  // namespace
+
+bool DecoderLayer::in_team() const {
+  for (const LinearOp* op : {&q, &k, &v, &o, &gate, &up, &down})
+    if (!op->has_units()) return false;
+  return gate.units() == up.units() && o.units() == down.units();  // SiLU unit by unit; one residual width
+}
+
+std::vector<StagePlan> DecoderLayer::plan() const {
+  auto weights = [](std::vector<const LinearOp*> ops) {
+    StagePlan plan;
+    std::vector<int64_t> first{0};
+    for (const LinearOp* op : ops) first.push_back(first.back() + op->units()), plan.unit_bytes += op->unit_bytes();
+    plan.units = first.back();
+    plan.unit_bytes = (plan.unit_bytes + static_cast<int64_t>(ops.size()) - 1) / static_cast<int64_t>(ops.size());
+    plan.prefetch = [ops, first](int64_t u) {
+      for (size_t i = 0; i < ops.size(); ++i)
+        if (u < first[i + 1]) return ops[i]->prefetch_unit(u - first[i]);
+    };
+    return plan;
+  };
+  StagePlan gate_up;  // unit u: gate's and up's channels 16 u .. 16 u + 15, then SiLU over them
+  gate_up.units = gate.units();
+  gate_up.unit_bytes = gate.unit_bytes() + up.unit_bytes();
+  gate_up.prefetch = [this](int64_t u) { gate.prefetch_unit(u), up.prefetch_unit(u); };
+  return {weights({&q, &k, &v}), StagePlan{}, weights({&o}), gate_up, weights({&down})};
+}
+
+torch::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const torch::Tensor& x, const torch::Tensor& cos,
+                                       const torch::Tensor& sin, const DecodeRows& rows) const {
+  const int64_t T = x.size(0), H = heads, Hkv = kv_heads, D = head_dim;
+  Laps laps;
+  const auto h = rms_norm(x, input_norm, eps);
+  laps.mark(0);
+  QuantizedActs acts;
+  Works qkv;
+  for (const LinearOp* op : {&q, &k, &v}) qkv.add(op->work(h, acts));
+  team.compute(stage, [&](int64_t first, int64_t last) { qkv.run(first, last); });
+  auto qx = qkv.works[0].done().view({1, T, H, D}), kx = qkv.works[1].done().view({1, T, Hkv, D});
+  const auto vx = qkv.works[2].done().view({1, T, Hkv, D});
+  if (q_norm.defined() && q_norm.numel()) qx = rms_norm(qx, q_norm, eps), kx = rms_norm(kx, k_norm, eps);
+  laps.mark(1);
+  Works attention;
+  std::vector<torch::Tensor> rotated;
+  for (size_t s = 0; s < rows.begin.size(); ++s) {
+    const int64_t b = rows.begin[s], e = rows.end[s];
+    auto k_cache = rows.k[s].select(0, index), v_cache = rows.v[s].select(0, index);
+    const bool all = b == 0 && e == T;
+    const auto qs = all ? qx : qx.slice(1, b, e), ks = all ? kx : kx.slice(1, b, e);
+    const auto vs = all ? vx : vx.slice(1, b, e);
+    const auto cs = (all ? cos : cos.slice(0, b, e)).view({1, e - b, D});
+    const auto ss = (all ? sin : sin.slice(0, b, e)).view({1, e - b, D});
+    rotated.push_back(rope_store_at(qs, ks, vs, cs, ss, k_cache, v_cache, rows.start[s]));
+    attention.add(decode_attention_work(rotated.back(), k_cache, v_cache, rows.spans[s], rows.extras[s]));
+  }
+  laps.mark(2);
+  team.compute(stage + 1, [&](int64_t first, int64_t last) { attention.run(first, last); });
+  std::vector<torch::Tensor> parts;
+  for (const auto& work : attention.works) parts.push_back(work.done());
+  const auto attn = parts.size() == 1 ? parts[0] : at::cat(parts, 2);  // [1, H, T, D]
+  laps.mark(3);
+  QuantizedActs acts_o;
+  const LinearWork wo = o.work(attn.transpose(1, 2).reshape({T, H * D}), acts_o);
+  const float* residual = x.data_ptr<float>();
+  team.compute(stage + 2, [&](int64_t first, int64_t last) {  // + x right after each unit: the residual stream
+    wo.run(first, last);
+    add_rows(wo.y, residual, wo.rows, wo.cols, 16 * first, 16 * last);
+  });
+  const auto out = wo.done();
+  laps.mark(4);
+  const auto h2 = rms_norm(out, post_norm, eps);
+  laps.mark(5);
+  QuantizedActs acts_mlp;
+  const LinearWork wg = gate.work(h2, acts_mlp), wu = up.work(h2, acts_mlp);
+  team.compute(stage + 3, [&](int64_t first, int64_t last) {  // a unit of gate and of up, then SiLU over it
+    wg.run(first, last);
+    wu.run(first, last);
+    silu_mul_rows(wg.y, wu.y, wg.rows, wg.cols, 16 * first, 16 * last);
+  });
+  const auto act = wg.done();
+  laps.mark(6);
+  QuantizedActs acts_down;
+  const LinearWork wd = down.work(act, acts_down);
+  const float* stream = out.data_ptr<float>();
+  team.compute(stage + 4, [&](int64_t first, int64_t last) {
+    wd.run(first, last);
+    add_rows(wd.y, stream, wd.rows, wd.cols, 16 * first, 16 * last);
+  });
+  laps.mark(8);
+  if (laps.on) ++profiled_calls;
+  return wd.done();
+}
+
+torch::Tensor DecoderStack::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                    const DecodeRows& rows, const std::vector<int64_t>& features) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, d] float32");
+  std::vector<torch::Tensor> captured;
+  auto h = x;
+  const bool team_ok = team_forward.load() && std::all_of(layers.begin(), layers.end(), [](const DecoderLayer& l) { return l.in_team(); });
+  if (!team_ok) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (std::find(features.begin(), features.end(), static_cast<int64_t>(i)) != features.end()) captured.push_back(h);
+      h = layers[i].forward(h, cos, sin, rows);
+    }
+  } else {
+    if (planned_for != this) {
+      plans.clear();
+      for (const auto& layer : layers)
+        for (auto& plan : layer.plan()) plans.push_back(std::move(plan));
+      planned_for = this;
+    }
+    int64_t attention = 0;  // decode_attention_work's units: a KV head and up to eight rows of a segment each
+    for (size_t s = 0; s < rows.begin.size(); ++s)
+      attention += layers[0].kv_heads * ((rows.end[s] - rows.begin[s] + 7) / 8);
+    std::vector<TeamStage> stages(plans.size());
+    for (size_t i = 0; i < plans.size(); ++i) {
+      stages[i].units = i % DecoderLayer::kStages == 1 ? attention : plans[i].units;
+      stages[i].unit_bytes = plans[i].unit_bytes;
+      stages[i].prefetch = plans[i].prefetch ? &plans[i].prefetch : nullptr;
+    }
+    Team team(stages, ahead_bytes());
+    team.run([&] {
+      for (size_t i = 0; i < layers.size(); ++i) {
+        if (std::find(features.begin(), features.end(), static_cast<int64_t>(i)) != features.end())
+          captured.push_back(h);
+        h = layers[i].forward_in(team, static_cast<int64_t>(i) * DecoderLayer::kStages, h, cos, sin, rows);
+      }
+    });
+  }
+  auto out = rms_norm(h, norm, eps);
+  if (captured.empty()) return out;
+  captured.insert(captured.begin(), out);
+  return at::cat(captured, -1);
 }

@@ -9,6 +9,8 @@
 
 #include "kernels.h"
 
+#include "team_cpu.h"
+
 // A linear layer on one of the kernels, with what the kernel needs: built by quantize.py's QuantLinear and
 // KernelLinear (their `op`).
 struct LinearOp {
@@ -22,6 +24,12 @@ struct LinearOp {
   // Its work on x, for a parallel region shared with other layers reading x (the float kernels and the row
   // kernel have no units: their `done` computes the whole output after the region).
   LinearWork work(const torch::Tensor& x, QuantizedActs& acts) const;
+  // The 16-channel kernels' units, known from the weights alone: how many, their bytes, and unit u's weights
+  // fetched into this thread's L2 cache (a thread reading ahead while another does a layer's serial work).
+  bool has_units() const { return kind == kC16 || kind == kC16Legacy; }
+  int64_t units() const { return has_units() ? tensors[0].size(0) : 0; }
+  int64_t unit_bytes() const;
+  void prefetch_unit(int64_t u) const;
 };
 
 // Linear layers that read the same input, in one parallel region over all their output channels, the input
@@ -47,4 +55,29 @@ struct DecoderLayer {
   // x [T, d] float32, the rows of every segment; cos, sin [T, head_dim] -> the layer's output [T, d]
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const DecodeRows& rows) const;
+  // The same, as the lead of a team that runs stages [stage, stage + kStages) of its forward (team_cpu.h): every
+  // linear layer on a 16-channel kernel.
+  static constexpr int64_t kStages = 5;  // q k v, attention, o, gate up, down
+  torch::Tensor forward_in(Team& team, int64_t stage, const torch::Tensor& x, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const DecodeRows& rows) const;
+  // Those stages' units and weights (attention's units depend on the rows: 0 here); they point into this layer.
+  std::vector<StagePlan> plan() const;
+  bool in_team() const;
+};
+
+// Every decoder layer of a model and its final norm: a decode forward in one call, and where every linear layer
+// is on a 16-channel kernel, in one parallel region (team_cpu.h).
+struct DecoderStack {
+  std::vector<DecoderLayer> layers;
+  torch::Tensor norm;
+  double eps;
+
+  // x [T, d] float32 (the embedded rows) -> the final hidden states [T, d], then the inputs of the layers
+  // `features` (an EAGLE head's features) along the last dimension: [T, d * (1 + features)]
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const DecodeRows& rows, const std::vector<int64_t>& features) const;
+
+  // The layers' stage plans, made on the first forward (and again if this object moved: they point into it).
+  mutable std::vector<StagePlan> plans;
+  mutable const DecoderStack* planned_for = nullptr;
 };

@@ -740,6 +740,7 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
     });
   };
   work.done = [y] { return y; };
+  work.y = yp, work.rows = M, work.cols = N;
   return work;
 }
 

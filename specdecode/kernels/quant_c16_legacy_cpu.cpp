@@ -304,6 +304,7 @@ LinearWork linear_c16_legacy_work(const torch::Tensor& x, const torch::Tensor& c
                        [&](int64_t cg, int64_t m, int64_t rows) { (*fns)[rows - 1](a, w, cg, m, yp, N); });
   };
   work.done = [y] { return y; };
+  work.y = yp, work.rows = M, work.cols = N;
   return work;
 }
 
