@@ -423,7 +423,7 @@ class Transformer(nn.Module):
 
     def _build_native(self, linears: tuple[nn.Module, ...]):
         kernels, c = cpu_kernels(), self.config
-        if kernels is None or c.hidden_size % 8 or c.head_dim % 8:
+        if kernels is None or c.hidden_size % 8 or c.head_dim % 8 or c.intermediate_size % 8:
             return None
         ops = [getattr(linear, "op", None) for linear in linears]
         norms = [p for name, p in self.model.layers.named_parameters() if name.endswith("norm.weight")]

@@ -233,7 +233,7 @@ LinearWork attend_work(const torch::Tensor& q, const torch::Tensor& k_cache, con
   for (size_t t = 0; t < spans.size(); ++t)
     longest = std::max<int64_t>(longest, spans[t] + (extras.empty() ? 0 : extras[t].size()));
   LinearWork work;
-  work.units = q.size(0) * Hkv * chunks;
+  work.units = q.size(0) * decode_attention_units(T_, Hkv);
   work.run = [=, &spans, &extras](int64_t first, int64_t last) {
     thread_local std::vector<float> scores, inv_total;
     scores.resize(std::max<size_t>(scores.size(), kRows * group * (longest + 8)));
@@ -251,6 +251,8 @@ LinearWork attend_work(const torch::Tensor& q, const torch::Tensor& k_cache, con
 }
 
 }  // namespace
+
+int64_t decode_attention_units(int64_t rows, int64_t kv_heads) { return kv_heads * ((rows + kRows - 1) / kRows); }
 
 LinearWork decode_attention_work(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras) {

@@ -127,8 +127,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // one fixed sequence of operations (the MLP of the native layers and of model.py's loop on the CPU both call it).
 void silu_mul_rows(float* g, const float* u, int64_t M, int64_t N, int64_t c0, int64_t c1);
 torch::Tensor silu_mul_(torch::Tensor& g, const torch::Tensor& u);  // in place on g, returned
-// decode_attention's work in units (a KV head and up to eight rows each), for a parallel region shared with other
+// decode_attention's work in units (a KV head and up to eight rows each: decode_attention_units of them), for a parallel region shared with other
 // work: spans and extras must outlive it.
+int64_t decode_attention_units(int64_t rows, int64_t kv_heads);  // for one sequence's rows
 LinearWork decode_attention_work(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,

@@ -47,9 +47,20 @@ void set_guided_units(bool on) { guided_units.store(on); }
 // per group of linear layers instead, to compare the two in one process).
 std::atomic<bool> team_forward{env_switch_on("SPECDECODE_TEAM")};
 std::atomic<int64_t> read_ahead{-1};  // set_read_ahead: -1, half the L2 cache
+
 namespace {
-int64_t ahead_bytes();
+
+// How much a helper reads ahead per stage: half its L2 cache (1 MB where the system does not say) unless set.
+int64_t ahead_bytes() {
+  static const int64_t half_l2 = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 > 0 ? static_cast<int64_t>(l2) / 2 : int64_t{1} << 20;
+  }();
+  const int64_t set = read_ahead.load(std::memory_order_relaxed);
+  return set >= 0 ? set : half_l2;
 }
+
+}  // namespace
 
 void set_team(bool on) { team_forward.store(on); }
 
@@ -148,22 +159,41 @@ void LinearOp::prefetch_unit(int64_t u) const {
   }
 }
 
-std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector<const LinearOp*>& ops) {
-  QuantizedActs acts;  // held until every unit has run: the works point into it
+namespace {
+
+// y += r over rows [0, M) and channels [c0, c1) of [M, N]: the residual add, one float add per value (the sum the
+// Python loop's x + y rounds to).
+void add_rows(float* y, const float* r, int64_t M, int64_t N, int64_t c0, int64_t c1) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = c0; c < c1; c += 8)
+      _mm256_storeu_ps(y + m * N + c, _mm256_add_ps(_mm256_loadu_ps(y + m * N + c), _mm256_loadu_ps(r + m * N + c)));
+}
+
+// Works read by one parallel stage: units [first, last) of their concatenation, each work its share.
+struct Works {
   std::vector<LinearWork> works;
   std::vector<int64_t> first_unit{0};
-  for (const LinearOp* op : ops) {
-    works.push_back(op->work(x, acts));
-    first_unit.push_back(first_unit.back() + works.back().units);
+  void add(LinearWork work) {
+    first_unit.push_back(first_unit.back() + work.units);
+    works.push_back(std::move(work));
   }
-  run_units(first_unit.back(), [&](int64_t first, int64_t last) {
-    for (size_t i = 0; i < works.size(); ++i) {  // the share of [first, last) that falls in each layer
+  void run(int64_t first, int64_t last) const {
+    for (size_t i = 0; i < works.size(); ++i) {
       const int64_t begin = std::max(first, first_unit[i]), end = std::min(last, first_unit[i + 1]);
       if (begin < end) works[i].run(begin - first_unit[i], end - first_unit[i]);
     }
-  });
+  }
+};
+
+}  // namespace
+
+std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector<const LinearOp*>& ops) {
+  QuantizedActs acts;  // held until every unit has run: the works point into it
+  Works works;
+  for (const LinearOp* op : ops) works.add(op->work(x, acts));
+  run_units(works.first_unit.back(), [&](int64_t first, int64_t last) { works.run(first, last); });
   std::vector<torch::Tensor> out;
-  for (const auto& work : works) out.push_back(work.done());
+  for (const auto& work : works.works) out.push_back(work.done());
   return out;
 }
 
@@ -217,43 +247,6 @@ torch::Tensor DecoderLayer::forward(const torch::Tensor& x, const torch::Tensor&
   return result;
 }
 
-namespace {
-
-// y += r over rows [0, M) and channels [c0, c1) of [M, N]: the residual add, one float add per value (the sum the
-// Python loop's x + y rounds to).
-void add_rows(float* y, const float* r, int64_t M, int64_t N, int64_t c0, int64_t c1) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = c0; c < c1; c += 8)
-      _mm256_storeu_ps(y + m * N + c, _mm256_add_ps(_mm256_loadu_ps(y + m * N + c), _mm256_loadu_ps(r + m * N + c)));
-}
-
-// Works read by one parallel stage: units [first, last) of their concatenation, each work its share.
-struct Works {
-  std::vector<LinearWork> works;
-  std::vector<int64_t> first_unit{0};
-  void add(LinearWork work) {
-    first_unit.push_back(first_unit.back() + work.units);
-    works.push_back(std::move(work));
-  }
-  void run(int64_t first, int64_t last) const {
-    for (size_t i = 0; i < works.size(); ++i) {
-      const int64_t begin = std::max(first, first_unit[i]), end = std::min(last, first_unit[i + 1]);
-      if (begin < end) works[i].run(begin - first_unit[i], end - first_unit[i]);
-    }
-  }
-};
-
-// How much a helper reads ahead per stage: half its L2 cache (1 MB where the system does not say) unless set.
-int64_t ahead_bytes() {
-  static const int64_t half_l2 = [] {
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return l2 > 0 ? static_cast<int64_t>(l2) / 2 : int64_t{1} << 20;
-  }();
-  const int64_t set = read_ahead.load(std::memory_order_relaxed);
-  return set >= 0 ? set : half_l2;
-}
-
-}  // namespace
 
 bool DecoderLayer::in_team() const {
   for (const LinearOp* op : {&q, &k, &v, &o, &gate, &up, &down})
@@ -364,9 +357,9 @@ torch::Tensor DecoderStack::forward(const torch::Tensor& x, const torch::Tensor&
         for (auto& plan : layer.plan()) plans.push_back(std::move(plan));
       planned_for = this;
     }
-    int64_t attention = 0;  // decode_attention_work's units: a KV head and up to eight rows of a segment each
+    int64_t attention = 0;
     for (size_t s = 0; s < rows.begin.size(); ++s)
-      attention += layers[0].kv_heads * ((rows.end[s] - rows.begin[s] + 7) / 8);
+      attention += decode_attention_units(rows.end[s] - rows.begin[s], layers[0].kv_heads);
     std::vector<TeamStage> stages(plans.size());
     for (size_t i = 0; i < plans.size(); ++i) {
       stages[i].units = i % DecoderLayer::kStages == 1 ? attention : plans[i].units;
