@@ -117,6 +117,30 @@ def test_kernel_attention_extra_slots_match_gathered_sdpa():
         kernels.decode_attention(q, k, v, [10, 12], [[5], []])  # inside the prefix: a slot seen twice
 
 
+def chain_tree_and_batch(model, feature_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """Decode forwards of every shape after a 4-token prompt: a chain of 5 (with `feature_layers`' inputs), a tree
+    of a root and four nodes (rows with extra slots), and a ragged batch of two sequences -> logits and hidden."""
+    from specdecode.model import Part
+
+    tokens, parents = torch.tensor([4, 5, 6, 2, 8]), torch.tensor([-1, 0, 0, 1])
+    out = []
+    with torch.inference_mode():
+        caches = [model.new_cache(1, 32) for _ in range(2)]
+        for cache in caches:
+            model(torch.tensor([[7, 3, 9, 1]]), torch.arange(4)[None], cache, chain_mask(0, 4))
+            cache.truncate(4)
+        out += model(tokens[None], torch.arange(4, 9)[None], caches[0], chain_mask(4, 5), decode=True,
+                     feature_layers=feature_layers)
+        positions = (4 + torch.cat((torch.zeros(1, dtype=torch.long), depths(parents))))[None]
+        ids = torch.cat((torch.tensor([1]), tokens[:4]))[None]
+        out += model(ids, positions, caches[1], tree_mask(4, parents), decode=True)
+        parts = [Part(tokens[:2], torch.arange(4, 6), caches[0], chain_mask(4, 2)),
+                 Part(tokens[2:], torch.arange(4, 7), caches[1], chain_mask(4, 3))]  # fmt: skip
+        for logits, hidden in model.forward_parts(parts):
+            out += [logits, hidden]
+    return out
+
+
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
 @pytest.mark.parametrize(("model_type", "mode", "overrides"), [
     ("qwen2", "none", {}),  # biases on q, k, v; float32 weights on the float kernel
@@ -128,28 +152,11 @@ def test_kernel_attention_extra_slots_match_gathered_sdpa():
 def test_native_decoder_layers_equal_the_python_loop(monkeypatch, model_type, mode, overrides):
     """Decode forwards run each layer as one native call (kernels/layer_cpu.cpp): the same operations as the
     Python loop, so chains, trees and ragged batches of sequences give the same bits either way."""
-    from specdecode.model import Part, Transformer
+    from specdecode.model import Transformer
 
     model = quantize_(tiny_native(model_type, seed=2, **overrides), mode)
-    prefix, tokens = [7, 3, 9, 1], torch.tensor([4, 5, 6, 2, 8])
-    parents = torch.tensor([-1, 0, 0, 1])
-
     def run():
-        out = []
-        with torch.inference_mode():
-            caches = [model.new_cache(1, 32) for _ in range(2)]
-            for cache in caches:
-                model(torch.tensor([prefix]), torch.arange(4)[None], cache, chain_mask(0, 4))
-                cache.truncate(4)
-            out += model(tokens[None], torch.arange(4, 9)[None], caches[0], chain_mask(4, 5), decode=True)
-            positions = (4 + torch.cat((torch.zeros(1, dtype=torch.long), depths(parents))))[None]
-            ids = torch.cat((torch.tensor([1]), tokens[:4]))[None]  # a root and four nodes: rows with extra slots
-            out += model(ids, positions, caches[1], tree_mask(4, parents), decode=True)
-            parts = [Part(tokens[:2], torch.arange(4, 6), caches[0], chain_mask(4, 2)),
-                     Part(tokens[2:], torch.arange(4, 7), caches[1], chain_mask(4, 3))]  # fmt: skip
-            for logits, hidden in model.forward_parts(parts):
-                out += [logits, hidden]
-        return out
+        return chain_tree_and_batch(model)
 
     native = run()
     assert model._native[1] is not None, "the native layers did not run"
@@ -264,29 +271,12 @@ def test_a_forward_in_one_team_region_gives_the_bits_of_a_region_per_layer_group
     """On two threads a decode forward runs its layers in one parallel region: the second thread reads the next
     weights ahead and computes units from the back (team_cpu.h). Chains, trees, ragged batches and an EAGLE head's
     features give the same bits as one region per group of linear layers, and as model.py's loop."""
-    from specdecode.model import Part, Transformer
+    from specdecode.model import Transformer
 
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
     model = quantize_(tiny_native("qwen2", seed=7, num_hidden_layers=3, **shape), mode)
-    tokens, parents = torch.tensor([4, 5, 6, 2, 8]), torch.tensor([-1, 0, 0, 1])
-
     def run() -> list[torch.Tensor]:
-        out = []
-        with torch.inference_mode():
-            caches = [model.new_cache(1, 32) for _ in range(2)]
-            for cache in caches:
-                model(torch.tensor([[7, 3, 9, 1]]), torch.arange(4)[None], cache, chain_mask(0, 4))
-                cache.truncate(4)
-            out += model(tokens[None], torch.arange(4, 9)[None], caches[0], chain_mask(4, 5), decode=True,
-                         feature_layers=(0, 2))
-            positions = (4 + torch.cat((torch.zeros(1, dtype=torch.long), depths(parents))))[None]
-            ids = torch.cat((torch.tensor([1]), tokens[:4]))[None]
-            out += model(ids, positions, caches[1], tree_mask(4, parents), decode=True)
-            parts = [Part(tokens[:2], torch.arange(9, 11), caches[0], chain_mask(9, 2)),
-                     Part(tokens[2:], torch.arange(9, 12), caches[1], chain_mask(9, 3))]  # fmt: skip
-            for logits, hidden in model.forward_parts(parts):
-                out += [logits, hidden]
-        return out
+        return chain_tree_and_batch(model, feature_layers=(0, 2))
 
     regions, team = switch_both_ways("team", run)
     assert model._native[1] is not None, "the native layers did not run"
