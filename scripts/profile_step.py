@@ -5,9 +5,10 @@ over the machine's read bandwidth. This script measures that bandwidth, then, in
 
 1. **Forwards.** The target and the draft model (as it drafts: its LM head cut to frequent tokens) over 1, 4 and
    8 decode rows after a `--context`-token prompt: wall time per forward, split into the native decoder layer's
-   stages (norms, q/k/v, rotary + cache writes, attention, o, gate/up, silu, down, residual adds), the LM head and
-   the rest (embedding, rotary tables, Python around the layers), with the bytes read and the share of the
-   bandwidth floor reached. Also what one empty fork-join of the thread team costs, and how many a forward starts.
+   stages (norms, q/k/v, rotary + cache writes, attention, o, gate/up, silu, down, residual adds; with the layers
+   in one team region, kernels.set_team, SiLU runs inside gate/up and the residual adds inside o and down), the LM
+   head and the rest (embedding, rotary tables, Python around the layers), with the bytes read and the share of
+   the bandwidth floor reached. Also what one empty fork-join of the thread team costs, and how many a forward starts.
 2. **Steps.** Whole generations with `--methods` (default draft, hybrid), every engine step split into the target's
    verify forward, the draft model's forwards, verification, the planner, drafter logic (tree growth, copying),
    sequence and KV-cache bookkeeping, and the remainder (engine glue); plus the text layer around the engine.
