@@ -23,7 +23,20 @@
 #include <functional>
 #include <immintrin.h>
 #include <memory>
+#include <thread>
 #include <vector>
+
+// A waiting thread pauses, and every 64 pauses gives its core to any other runnable thread: on a machine with more
+// threads than cores (a busy neighbour, several processes) a spinning wait would hold the core the awaited thread
+// needs. With nothing else to run, the yield returns at once.
+struct Backoff {
+  int spins = 0;
+  void wait() {
+    if (++spins < 64) return _mm_pause();
+    spins = 0;
+    std::this_thread::yield();
+  }
+};
 
 // A stage's units and weights, known before its inputs exist (planned once per model).
 struct StagePlan {
@@ -60,7 +73,8 @@ class Team {
         failed = std::current_exception();
       }
       published_.store(kStop, std::memory_order_release);
-      while (helping_.load(std::memory_order_acquire) > 0) _mm_pause();  // none still writes into the lead's tensors
+      Backoff backoff;
+      while (helping_.load(std::memory_order_acquire) > 0) backoff.wait();  // none still writes into the lead's tensors
     });
     if (failed) std::rethrow_exception(failed);
   }
@@ -72,7 +86,8 @@ class Team {
     stage.run = std::move(run);
     published_.store(s + 1, std::memory_order_release);
     take(stage, true);
-    while (stage.done.load(std::memory_order_acquire) < stage.units) _mm_pause();
+    Backoff backoff;
+    while (stage.done.load(std::memory_order_acquire) < stage.units) backoff.wait();
   }
 
  private:
@@ -110,6 +125,7 @@ class Team {
     int64_t next = 0, ahead_stage = -1, ahead_bytes = 0;
     std::vector<int64_t> mine;  // units of ahead_stage claimed and prefetched, descending
     const int64_t count = static_cast<int64_t>(stages_.size());
+    Backoff backoff;
     for (;;) {
       const int64_t published = published_.load(std::memory_order_acquire);
       if (published == kStop) break;
@@ -146,7 +162,7 @@ class Team {
           continue;
         }
       }
-      _mm_pause();
+      backoff.wait();
     }
     helping_.fetch_sub(1, std::memory_order_acq_rel);
   }
