@@ -49,13 +49,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>>(),
            py::arg("begin"), py::arg("end"), py::arg("start"), py::arg("spans"), py::arg("extras"), py::arg("k"),
            py::arg("v"));
-  py::class_<DecoderLayer>(m, "DecoderLayer", "a decoder layer's decode step in one call (layer_cpu.h)")
+  py::class_<DecoderLayer>(m, "DecoderLayer", "a decoder layer's weights and shape, for DecoderStack (layer_cpu.h)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
                     torch::Tensor, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp>(),
            py::arg("index"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("q"),
-           py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"))
-      .def("forward", &DecoderLayer::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rows"));
+           py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"));
   py::class_<DecoderStack>(m, "DecoderStack", "every decoder layer and the final norm: a decode forward in one call "
                                               "(layer_cpu.h)")
       .def(py::init<std::vector<DecoderLayer>, torch::Tensor, double>(), py::arg("layers"), py::arg("norm"),

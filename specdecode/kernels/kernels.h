@@ -52,6 +52,9 @@ int64_t set_read_ahead(int64_t bytes);
 // half of what is left divided among the threads, until none is left: large contiguous shares first, small ones
 // at the end, so a thread that starts late or is slowed by the memory takes fewer units instead of the other one
 // waiting for it at the join. A unit's outputs do not depend on which thread computes them: the same bits.
+// The next guided chunk of `left` units for a team of `threads`: half of what is left divided among the threads.
+inline int64_t guided_chunk(int64_t left, int64_t threads) { return std::max<int64_t>(1, left / (2 * threads)); }
+
 template <typename Run>
 void run_units(int64_t units, Run&& run) {
   const int64_t threads = at::get_num_threads();
@@ -67,7 +70,7 @@ void run_units(int64_t units, Run&& run) {
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     int64_t first = next.load(std::memory_order_relaxed);
     while (first < units) {
-      const int64_t size = std::max<int64_t>(1, (units - first) / (2 * threads));
+      const int64_t size = guided_chunk(units - first, threads);
       if (next.compare_exchange_weak(first, first + size, std::memory_order_relaxed)) {
         run(first, std::min(units, first + size));
         first = next.load(std::memory_order_relaxed);

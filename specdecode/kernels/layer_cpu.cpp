@@ -185,6 +185,39 @@ struct Works {
   }
 };
 
+
+// q, k, v as the projections gave them [T, *] -> each segment's keys and values rotated into its cache, and the
+// works of attention over every segment (their query rows rotated into `rotated`, which must outlive them).
+Works attention_works(const DecoderLayer& l, const torch::Tensor& q_out, const torch::Tensor& k_out,
+                      const torch::Tensor& v_out, const torch::Tensor& cos, const torch::Tensor& sin,
+                      const DecodeRows& rows, std::vector<torch::Tensor>& rotated) {
+  const int64_t T = q_out.size(0), H = l.heads, Hkv = l.kv_heads, D = l.head_dim;
+  auto qx = q_out.view({1, T, H, D}), kx = k_out.view({1, T, Hkv, D});
+  const auto vx = v_out.view({1, T, Hkv, D});
+  if (l.q_norm.defined() && l.q_norm.numel()) qx = rms_norm(qx, l.q_norm, l.eps), kx = rms_norm(kx, l.k_norm, l.eps);
+  Works attention;
+  for (size_t s = 0; s < rows.begin.size(); ++s) {
+    const int64_t b = rows.begin[s], e = rows.end[s];
+    auto k_cache = rows.k[s].select(0, l.index), v_cache = rows.v[s].select(0, l.index);
+    const bool all = b == 0 && e == T;  // the common case slices nothing
+    const auto qs = all ? qx : qx.slice(1, b, e), ks = all ? kx : kx.slice(1, b, e);
+    const auto vs = all ? vx : vx.slice(1, b, e);
+    const auto cs = (all ? cos : cos.slice(0, b, e)).view({1, e - b, D});
+    const auto ss = (all ? sin : sin.slice(0, b, e)).view({1, e - b, D});
+    rotated.push_back(rope_store_at(qs, ks, vs, cs, ss, k_cache, v_cache, rows.start[s]));
+    attention.add(decode_attention_work(rotated.back(), k_cache, v_cache, rows.spans[s], rows.extras[s]));
+  }
+  return attention;
+}
+
+// The attention works' outputs, once run -> the o projection's input [T, H * D].
+torch::Tensor attention_output(const Works& attention, int64_t T, int64_t width) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& work : attention.works) parts.push_back(work.done());
+  const auto attn = parts.size() == 1 ? parts[0] : at::cat(parts, 2);  // [1, H, T, D]
+  return attn.transpose(1, 2).reshape({T, width});
+}
+
 }  // namespace
 
 std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector<const LinearOp*>& ops) {
@@ -200,31 +233,18 @@ std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector
 torch::Tensor DecoderLayer::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                     const DecodeRows& rows) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, d] float32");
-  const int64_t T = x.size(0), H = heads, Hkv = kv_heads, D = head_dim;
+  const int64_t T = x.size(0);
   Laps laps;
   const auto h = rms_norm(x, input_norm, eps);
   laps.mark(0);
   const auto qkv = run_linears(h, {&q, &k, &v});
-  auto qx = qkv[0].view({1, T, H, D}), kx = qkv[1].view({1, T, Hkv, D});
-  const auto vx = qkv[2].view({1, T, Hkv, D});
-  if (q_norm.defined() && q_norm.numel()) qx = rms_norm(qx, q_norm, eps), kx = rms_norm(kx, k_norm, eps);
   laps.mark(1);
-  std::vector<torch::Tensor> parts;
-  for (size_t s = 0; s < rows.begin.size(); ++s) {
-    const int64_t b = rows.begin[s], e = rows.end[s];
-    auto k_cache = rows.k[s].select(0, index), v_cache = rows.v[s].select(0, index);
-    const bool all = b == 0 && e == T;  // the common case slices nothing
-    const auto qs = all ? qx : qx.slice(1, b, e), ks = all ? kx : kx.slice(1, b, e);
-    const auto vs = all ? vx : vx.slice(1, b, e);
-    const auto cs = (all ? cos : cos.slice(0, b, e)).view({1, e - b, D});
-    const auto ss = (all ? sin : sin.slice(0, b, e)).view({1, e - b, D});
-    const auto rotated = rope_store_at(qs, ks, vs, cs, ss, k_cache, v_cache, rows.start[s]);
-    laps.mark(2);
-    parts.push_back(decode_attention(rotated, k_cache, v_cache, rows.spans[s], rows.extras[s]));
-    laps.mark(3);
-  }
-  const auto attn = parts.size() == 1 ? parts[0] : at::cat(parts, 2);  // [1, H, T, D]
-  auto projected = o(attn.transpose(1, 2).reshape({T, H * D}));
+  std::vector<torch::Tensor> rotated;
+  const Works attention = attention_works(*this, qkv[0], qkv[1], qkv[2], cos, sin, rows, rotated);
+  laps.mark(2);
+  run_units(attention.first_unit.back(), [&](int64_t first, int64_t last) { attention.run(first, last); });
+  laps.mark(3);
+  auto projected = o(attention_output(attention, T, heads * head_dim));
   laps.mark(4);
   // In place, the same bits (a sum does not depend on the order of its operands). A prompt's 512 rows made
   // intermediates of several MB each, and freeing and allocating them again page-faulted ~200,000 times per
@@ -276,7 +296,6 @@ std::vector<StagePlan> DecoderLayer::plan() const {
 
 torch::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const torch::Tensor& x, const torch::Tensor& cos,
                                        const torch::Tensor& sin, const DecodeRows& rows) const {
-  const int64_t T = x.size(0), H = heads, Hkv = kv_heads, D = head_dim;
   Laps laps;
   const auto h = rms_norm(x, input_norm, eps);
   laps.mark(0);
@@ -284,31 +303,15 @@ torch::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const torch::T
   Works qkv;
   for (const LinearOp* op : {&q, &k, &v}) qkv.add(op->work(h, acts));
   team.compute(stage, [&](int64_t first, int64_t last) { qkv.run(first, last); });
-  auto qx = qkv.works[0].done().view({1, T, H, D}), kx = qkv.works[1].done().view({1, T, Hkv, D});
-  const auto vx = qkv.works[2].done().view({1, T, Hkv, D});
-  if (q_norm.defined() && q_norm.numel()) qx = rms_norm(qx, q_norm, eps), kx = rms_norm(kx, k_norm, eps);
   laps.mark(1);
-  Works attention;
   std::vector<torch::Tensor> rotated;
-  for (size_t s = 0; s < rows.begin.size(); ++s) {
-    const int64_t b = rows.begin[s], e = rows.end[s];
-    auto k_cache = rows.k[s].select(0, index), v_cache = rows.v[s].select(0, index);
-    const bool all = b == 0 && e == T;
-    const auto qs = all ? qx : qx.slice(1, b, e), ks = all ? kx : kx.slice(1, b, e);
-    const auto vs = all ? vx : vx.slice(1, b, e);
-    const auto cs = (all ? cos : cos.slice(0, b, e)).view({1, e - b, D});
-    const auto ss = (all ? sin : sin.slice(0, b, e)).view({1, e - b, D});
-    rotated.push_back(rope_store_at(qs, ks, vs, cs, ss, k_cache, v_cache, rows.start[s]));
-    attention.add(decode_attention_work(rotated.back(), k_cache, v_cache, rows.spans[s], rows.extras[s]));
-  }
+  const Works attention =
+      attention_works(*this, qkv.works[0].done(), qkv.works[1].done(), qkv.works[2].done(), cos, sin, rows, rotated);
   laps.mark(2);
   team.compute(stage + 1, [&](int64_t first, int64_t last) { attention.run(first, last); });
-  std::vector<torch::Tensor> parts;
-  for (const auto& work : attention.works) parts.push_back(work.done());
-  const auto attn = parts.size() == 1 ? parts[0] : at::cat(parts, 2);  // [1, H, T, D]
   laps.mark(3);
   QuantizedActs acts_o;
-  const LinearWork wo = o.work(attn.transpose(1, 2).reshape({T, H * D}), acts_o);
+  const LinearWork wo = o.work(attention_output(attention, x.size(0), heads * head_dim), acts_o);
   const float* residual = x.data_ptr<float>();
   team.compute(stage + 2, [&](int64_t first, int64_t last) {  // + x right after each unit: the residual stream
     wo.run(first, last);
@@ -344,19 +347,19 @@ torch::Tensor DecoderStack::forward(const torch::Tensor& x, const torch::Tensor&
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, d] float32");
   std::vector<torch::Tensor> captured;
   auto h = x;
-  const bool team_ok = team_forward.load() && std::all_of(layers.begin(), layers.end(), [](const DecoderLayer& l) { return l.in_team(); });
-  if (!team_ok) {
+  if (planned_for != this) {  // once per model: whether every layer can run in the team, and its stages' plans
+    all_in_team = std::all_of(layers.begin(), layers.end(), [](const DecoderLayer& l) { return l.in_team(); });
+    plans.clear();
+    for (const auto& layer : layers)
+      for (auto& plan : layer.plan()) plans.push_back(std::move(plan));
+    planned_for = this;
+  }
+  if (!all_in_team || !team_forward.load()) {
     for (size_t i = 0; i < layers.size(); ++i) {
       if (std::find(features.begin(), features.end(), static_cast<int64_t>(i)) != features.end()) captured.push_back(h);
       h = layers[i].forward(h, cos, sin, rows);
     }
   } else {
-    if (planned_for != this) {
-      plans.clear();
-      for (const auto& layer : layers)
-        for (auto& plan : layer.plan()) plans.push_back(std::move(plan));
-      planned_for = this;
-    }
     int64_t attention = 0;
     for (size_t s = 0; s < rows.begin.size(); ++s)
       attention += decode_attention_units(rows.end[s] - rows.begin[s], layers[0].kv_heads);

@@ -77,7 +77,9 @@ struct DecoderStack {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const DecodeRows& rows, const std::vector<int64_t>& features) const;
 
-  // The layers' stage plans, made on the first forward (and again if this object moved: they point into it).
+  // Whether every layer runs in the team, and the layers' stage plans: made on the first forward (and again if
+  // this object moved: the plans point into it).
+  mutable bool all_in_team = false;
   mutable std::vector<StagePlan> plans;
   mutable const DecoderStack* planned_for = nullptr;
 };

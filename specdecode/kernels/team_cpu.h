@@ -26,6 +26,8 @@
 #include <thread>
 #include <vector>
 
+#include "kernels.h"
+
 // A waiting thread pauses, and every 64 pauses gives its core to any other runnable thread: on a machine with more
 // threads than cores (a busy neighbour, several processes) a spinning wait would hold the core the awaited thread
 // needs. With nothing else to run, the yield returns at once.
@@ -110,9 +112,8 @@ class Team {
   void take(TeamStage& stage, bool front) {
     for (;;) {
       const uint64_t left = stage.claims.load(std::memory_order_relaxed);
-      const int64_t size = std::max<int64_t>(
-          1, (static_cast<int64_t>(left >> 32) - static_cast<int64_t>(left & 0xFFFFFFFFu)) / (2 * threads_));
-      const auto [first, last] = claim(stage, front, size);
+      const int64_t unclaimed = static_cast<int64_t>(left >> 32) - static_cast<int64_t>(left & 0xFFFFFFFFu);
+      const auto [first, last] = claim(stage, front, guided_chunk(unclaimed, threads_));
       if (first == last) return;
       stage.run(first, last);
       stage.done.fetch_add(last - first, std::memory_order_release);
