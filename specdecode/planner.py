@@ -47,6 +47,15 @@ COPY_MIN_SCORE = 0.5  # hybrid, fixed size: copy when the first copied token is 
 # that lose on other kinds of work (1.17x vs 1.11x `none`; on unused prompts of those kinds 1.15x vs 1.06x), and
 # was level to 2.7% ahead on the dev sets; 0.6 cut good drafts there (1.32x vs 1.41x) ("Draft trees by default").
 FOLLOW = 0.8
+# A model drafter's confidence in a node given its parent, against how often the target accepted such nodes in this
+# request (drafters/tree_growth.py, DepthTrust), kept apart for the first depth and the deeper ones: on the dev
+# sets both matched, on translation and answers from a passage the deeper ones promised more than they gave
+# ("Believing the draft model's scores"). A step's evidence weighs MODEL_TRUST_DECAY less after each later step,
+# and MODEL_TRUST_PRIOR tokens of "as promised" always stay, so a depth that stopped being drafted drifts back to
+# being believed and is tried again. Held to MODEL_TRUST_RANGE: a few lucky steps cannot make it draft without limit.
+MODEL_TRUST_DECAY = 0.9
+MODEL_TRUST_PRIOR = 1.0
+MODEL_TRUST_RANGE = (0.3, 1.25)
 PRIOR_SPEEDUP = 1.3  # hybrid: the model's value before its first step, x a one-token forward's rate ("Hybrid drafter")
 RECORD_WEIGHT = 0.25  # hybrid: a step's weight in the model's running record ("Hybrid drafter"; not swept)
 FORWARD_WEIGHT = 0.2  # a forward's weight in a drafter's running seconds per forward (not swept)
@@ -107,20 +116,21 @@ class StepPlan:
     others_rows: int = 0  # rows they (and prompt chunks) put in it
 
     def grow(self, scores: list[float], best_score: float, best_prob: float, spent: float, forward_s: float,
-             min_confidence: float, max_tokens: int) -> bool:
+             min_confidence: float, max_tokens: int, follow: float = FOLLOW) -> bool:
         """One more draft forward for a tree whose nodes score `scores`, best new node scoring `best_score` with
-        the drafter's confidence `best_prob`, after `spent` seconds of drafting, a forward costing `forward_s`?"""
+        the drafter's confidence `best_prob`, after `spent` seconds of drafting, a forward costing `forward_s`?
+        `follow`: P(its best child is accepted | it is)."""
         if self.costs is None:  # fixed size: grow while the drafter is sure of its newest best guess
             return best_prob >= min_confidence
-        # One more draft forward adds about best_score * FOLLOW expected tokens: its best child, accepted when the
-        # node it is fed from is, FOLLOW of the time (a child never scores above its parent).
+        # One more draft forward adds about best_score * follow expected tokens: its best child, accepted when the
+        # node it is fed from is, `follow` of the time (a child never scores above its parent).
         costs = self.costs
         ranked = sorted(scores, reverse=True)[:max_tokens]
         tokens, rows = 1.0 + self.others_tokens, 1 + self.others_rows
         n = best_count(costs, ranked, spent, tokens, rows)
         expected, now = tokens + sum(ranked[:n]), spent + costs.cost(rows + n)
         grown = spent + forward_s + costs.cost(rows + n + 1)
-        return (expected + FOLLOW * best_score) / grown > expected / now
+        return (expected + follow * best_score) / grown > expected / now
 
     def copy_value(self, copy_scores: list[float], max_tokens: int) -> float:
         """What a copied draft (node scores) is worth: tokens per second of verifying its best nodes (0: none

@@ -80,3 +80,58 @@ def test_a_record_beats_plain_decoding_when_its_tokens_come_faster_than_one_a_fo
     slow.add(tokens=1.1, seconds=1.2)
     fast.add(tokens=2.0, seconds=1.3)
     assert not plan.beats_plain(slow) and plan.beats_plain(fast)
+
+
+
+def test_a_model_drafters_trust_learns_each_depths_acceptance_in_the_request():
+    from specdecode.drafters.tree_growth import DepthTrust, Node
+    from specdecode.planner import FOLLOW, MODEL_TRUST_RANGE
+
+    trust = DepthTrust()
+    assert trust.factor(1) == trust.factor(4) == 1.0 and trust.follow(1) == FOLLOW  # before any step: as scored
+    # A chain of confidences 0.8, 0.75, 0.7: its first node accepted 4 times in 5, the second never.
+    chain = [Node(7, i - 1, i + 1, p, 0.0, 0, []) for i, p in enumerate((0.8, 0.75, 0.7))]
+    for step in range(40):
+        trust.add(chain, [0, 1, 2], {0} if step % 5 else set())
+    assert trust.factor(1) == pytest.approx(1.0, abs=0.1)
+    assert trust.factor(2) == trust.factor(5) == MODEL_TRUST_RANGE[0]  # held to its range, never nothing
+    assert trust.follow(1) < FOLLOW / 2  # one more forward after the first depth is worth little here
+    # Only nodes whose parent was accepted count: the third node, behind the rejected second, is not blamed.
+    blamed = DepthTrust()
+    blamed.add(chain, [0, 1, 2], {0})
+    assert blamed.promised[1] == pytest.approx(0.75)
+    # A depth no longer drafted drifts back to being believed, and is tried again.
+    for _ in range(60):
+        trust.add(chain[:1], [0], {0})
+    assert trust.factor(2) > 0.9
+
+
+def test_a_drafts_scores_follow_its_trust_and_never_rise_above_a_parents():
+    from specdecode.drafters.base import DraftContext
+    from specdecode.drafters.draft_model import DraftModelDrafter
+    from tiny import tiny_native
+
+    model = tiny_native("qwen2", seed=3)
+    drafter = DraftModelDrafter(model, vocab_size=model.config.vocab_size, width=2, max_depth=3)
+    ctx = DraftContext([1, 2, 3, 4], SamplingParams(), None)
+
+    def scores_and_expected(drafter):
+        draft = drafter.propose(ctx, 8)
+        kept = [drafter.nodes[i] for i in drafter.kept]
+        expected = []
+        for node in kept:  # the product along the path of each confidence times the trust at its depth
+            parent = drafter.kept.index(node.parent) if node.parent >= 0 else -1
+            edge = min(1.0, node.prob * drafter.trust.factor(node.depth))
+            expected.append(edge * (expected[parent] if parent >= 0 else 1.0))
+        assert draft.scores == pytest.approx(expected)
+        parents = draft.parents.tolist()
+        assert all(p < 0 or draft.scores[i] <= draft.scores[p] for i, p in enumerate(parents))
+        return draft, kept
+
+    before, kept = scores_and_expected(drafter)
+    assert before.scores[0] == kept[0].prob and any(n.depth > 1 for n in kept)  # believed as scored
+    drafter = drafter.fork()  # the same model, a request of its own
+    drafter.trust.given = [4.0, 0.0]  # the first depth always right, the deeper ones overrated
+    drafter.trust.promised = [4.0, 2.0]
+    after, _ = scores_and_expected(drafter)
+    assert after.scores[0] == before.scores[0] and min(after.scores) < min(before.scores)

@@ -32,7 +32,7 @@ from collections.abc import Generator
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext
-from specdecode.drafters.tree_growth import ForwardTime, GrowsTrees, Node
+from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees, Node
 from specdecode.kv_cache import bytes_per_token
 from specdecode.model import Part, chain_part, prompt_as_decode_rows, rows_exact
 from specdecode.prompt_cache import DRAFT_PROMPT_CACHE_MB, PromptCache
@@ -70,6 +70,7 @@ class DraftModelDrafter(GrowsTrees):
         self.nodes: list[Node] = []  # the last draft's nodes, before the budget cut
         self.kept: list[int] = []  # which of them went into the Draft, in its order
         self.clock = clock or ForwardTime()  # running seconds of one draft forward, shared with its forks
+        self.trust = DepthTrust()  # how far its scores can be believed in this request
         self.forwards = 0  # forwards of the last draft, its catching up excluded
         self.catching_up = False  # the forward now running feeds a prompt or steps this drafter sat out
         self.window = window
@@ -99,6 +100,7 @@ class DraftModelDrafter(GrowsTrees):
         if self.cache is not None:
             self.cache.reset()
         self.nodes, self.kept, self.base_length, self.skipped = [], [], 0, 0
+        self.trust = DepthTrust()
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -110,6 +112,7 @@ class DraftModelDrafter(GrowsTrees):
         their forwards batched into one (lockstep.run_batched)."""
         self.forwards = 0
         if max_tokens <= 0:
+            self.nodes, self.kept = [], []  # nothing for commit to learn from
             return Draft.empty()
         started = time.perf_counter()
         self._ensure_capacity(len(ctx.tokens) + self.max_depth * self.expand + 1)
@@ -161,6 +164,7 @@ class DraftModelDrafter(GrowsTrees):
         # Accepted nodes that were fed stay, moved behind the agreed prefix; a node never fed (a leaf) ends them.
         if self.cache is None:  # nothing drafted yet (a request with a draft budget of 0)
             return
+        self.learn_trust(accepted, verified)
         slots = []
         for index in accepted:
             slot = self.nodes[self.kept[index]].slot

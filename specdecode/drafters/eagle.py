@@ -35,7 +35,7 @@ from torch import nn
 
 from specdecode.drafters import store
 from specdecode.drafters.base import Draft, DraftContext
-from specdecode.drafters.tree_growth import ForwardTime, GrowsTrees, Node
+from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees, Node
 from specdecode.kv_cache import KVCache
 from specdecode.model import rows_mask
 from specdecode.planner import HEAD_MIN_CONFIDENCE
@@ -200,6 +200,7 @@ class EagleDrafter(GrowsTrees):
         self.hidden_of: dict[int, torch.Tensor] = {}  # fed node -> its output hidden state [d]
         self.pending: torch.Tensor | None = None  # target features of steps it sat out, not yet read
         self.clock = clock or ForwardTime()
+        self.trust = DepthTrust()
         self.drafting_s = 0.0  # what its last draft took, catching up included (it catches up every step)
 
     @classmethod
@@ -228,10 +229,12 @@ class EagleDrafter(GrowsTrees):
         if self.cache is not None:
             self.cache.reset()
         self.nodes, self.kept, self.base_length, self.root_hidden, self.pending = [], [], 0, None, None
+        self.trust = DepthTrust()
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         if max_tokens <= 0:
+            self.nodes, self.kept = [], []  # nothing for commit to learn from
             return Draft.empty(self.model.device)
         started = time.perf_counter()
         self._catch_up(ctx)
@@ -257,6 +260,7 @@ class EagleDrafter(GrowsTrees):
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Draft nodes were fed with the head's own hidden states; the accepted ones come back next step with
         # the target's features, so every node's row goes.
+        self.learn_trust(accepted, verified)
         if self.cache is not None:
             self.cache.truncate(self.base_length)
 

@@ -4,7 +4,13 @@ forward pays, and the Draft the best nodes make. How the tree grows is told in d
 
 A drafter using it sets, in its `__init__`, `device`, `head_tokens` (the vocabulary id of each logit its head
 scores, None for the target's whole vocabulary), `width`, `expand`, `max_depth`, `min_confidence`, `vocab_size`
-(the target's) and `clock` (a ForwardTime its forks share); growing sets `nodes` and `kept`.
+(the target's) and `clock` (a ForwardTime its forks share), and `trust = DepthTrust()` there and in `reset`;
+growing sets `nodes` and `kept`, and its `commit` calls `learn_trust`.
+
+A node's score is the product along its path of the draft's confidences, each believed as far as the drafter's
+`DepthTrust` in this request says: a model drafter's probabilities are about right on the text it was tuned on
+and too sure where it guesses worse (translation, answers from a passage), most of all past the first depth.
+Scores that promise what the target gives size the tree and the verify cut to what pays on this text.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.model import RowSlots
-from specdecode.planner import FORWARD_WEIGHT, running_mean
+from specdecode.planner import (FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR, MODEL_TRUST_RANGE,
+                                running_mean)
 from specdecode.sampling import greedy_topk, to_probs
 
 Request = TypeVar("Request")
@@ -31,7 +38,8 @@ class Node:
     depth: int
     prob: float  # the draft's confidence in it given its parent: its probability (greedy), the largest probability
     # left in the distribution it was drawn from (sampling)
-    score: float  # product of draft probabilities along the path: the estimate that the target accepts it
+    score: float  # the estimate that the target accepts it: the product along its path of the confidences, each
+    # times the drafter's trust at its depth (at most 1)
     dist: int  # index of the distribution (of its parent's expansion) it was drawn from
     drawn_before: list[int]  # sibling tokens drawn before it from that distribution (its rank = their count)
     slot: int = -1  # draft cache slot once fed, -1 = never fed
@@ -57,8 +65,43 @@ class ForwardTime:
         return self.mean
 
 
+class DepthTrust:
+    """How far a model drafter's confidences can be believed in this request: for its first depth and for the
+    deeper ones, the nodes the target accepted over the confidence they were drafted with, counting only nodes
+    whose parent was accepted (a rejected node takes its whole subtree with it: counting that subtree would blame
+    its descendants for it). Evidence fades by MODEL_TRUST_DECAY a step over MODEL_TRUST_PRIOR tokens that always
+    say "as promised" (planner.py)."""
+
+    def __init__(self) -> None:
+        self.promised = [0.0, 0.0]  # first depth, deeper ones
+        self.given = [0.0, 0.0]
+
+    def factor(self, depth: int) -> float:
+        deeper = depth > 1
+        low, high = MODEL_TRUST_RANGE
+        value = (self.given[deeper] + MODEL_TRUST_PRIOR) / (self.promised[deeper] + MODEL_TRUST_PRIOR)
+        return min(high, max(low, value))
+
+    def follow(self, depth: int) -> float:
+        """P(the best child of a node at `depth` is accepted | the node is): FOLLOW, as believed at its depth."""
+        return min(1.0, FOLLOW * self.factor(depth + 1))
+
+    def add(self, nodes: list[Node], verified: list[int], accepted: set[int]) -> None:
+        """A draft's `nodes`, of which `verified` (indices into them) were verified and `accepted` accepted."""
+        for bucket in (0, 1):
+            self.promised[bucket] *= MODEL_TRUST_DECAY
+            self.given[bucket] *= MODEL_TRUST_DECAY
+        for i in verified:
+            node = nodes[i]
+            if node.parent < 0 or node.parent in accepted:
+                deeper = node.depth > 1
+                self.promised[deeper] += node.prob
+                self.given[deeper] += i in accepted
+
+
 class GrowsTrees(Drafter):
     clock: ForwardTime
+    trust: DepthTrust
 
     @property
     def forward_s(self) -> float:
@@ -90,6 +133,12 @@ class GrowsTrees(Drafter):
     def forward_took(self, seconds: float) -> None:
         self.clock.took(seconds)
 
+    def learn_trust(self, accepted: list[int], verified: list[int] | None) -> None:
+        """Its last draft's verified nodes (indices into it; None: all) and the accepted ones -> its trust."""
+        kept = self.kept
+        seen = kept if verified is None else [kept[i] for i in verified]
+        self.trust.add(self.nodes, seen, {kept[i] for i in accepted})
+
     def _children(self, logits: torch.Tensor, rows: list[int], depth: int, nodes: list[Node],
                   dists: list[torch.Tensor], ctx: DraftContext) -> list[int]:
         """Add the `width` children of each row's node (rows of logits [R, vocab]); -> the new node indices."""
@@ -111,6 +160,7 @@ class GrowsTrees(Drafter):
             top_probs = probs.gather(-1, top_index)
             likeliest = probs.topk(self.width, dim=-1)  # for each draw's confidence, see below
         top_tokens = top_index if ids is None else ids[top_index]
+        trust = self.trust.factor(depth)
         new = []
         for r, parent in enumerate(rows):
             if alive is not None and not alive[r]:
@@ -133,7 +183,8 @@ class GrowsTrees(Drafter):
                     left = next(v for v, i in zip(likeliest.values[r].tolist(), likeliest.indices[r].tolist())
                                 if i not in drawn_index)
                     confidence = min(1.0, left / max(1.0 - drawn_mass, 1e-12))  # rounding: never above its parent
-                nodes.append(Node(token, parent, depth, confidence, base * confidence, len(dists) - 1, list(drawn)))
+                nodes.append(Node(token, parent, depth, confidence, base * min(1.0, confidence * trust),
+                                  len(dists) - 1, list(drawn)))
                 new.append(len(nodes) - 1)
                 drawn.append(token)
                 drawn_mass += p
@@ -169,7 +220,7 @@ class GrowsTrees(Drafter):
             expand = sorted(newest, key=lambda i: -nodes[i].score)[: self.expand]
             best = nodes[expand[0]]
             if not ctx.plan.grow([n.score for n in nodes], best.score, best.prob, time.perf_counter() - started,
-                                 self.forward_s, self.min_confidence, max_tokens):
+                                 self.forward_s, self.min_confidence, max_tokens, self.trust.follow(depth)):
                 break
             logits = yield feed(expand, nodes)
             parents_of_row = expand
