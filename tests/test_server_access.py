@@ -63,13 +63,15 @@ def test_host_and_origin_checks():
 def test_forwarded_clients_count_only_from_trusted_proxies():
     for trusted, limited in (((), True), (("127.0.0.1",), False)):
         decoder, server = serve(max_per_client=1, trusted_proxies=trusted)
-        decoder.batch.steps = 10**9
+        decoder.batch.steps = 10**9  # a request that holds its slot: "zz" (its first id 22)
+        # "hi" (4, 5) is short. Set before either request starts: set while the held one may still be joining, it
+        # made that one short too, and it ended before the other came (a 200 where a 429 was due).
+        decoder.batch.steps_for[4] = 3
         with server as url, httpx.Client(base_url=url, timeout=10) as http:
             decoder.allow()
-            with http.stream("POST", "/v1/completions", json=BODY | {"stream": True},
+            with http.stream("POST", "/v1/completions", json=BODY | {"stream": True, "prompt": "zz"},
                              headers={"X-Forwarded-For": "10.0.0.1"}) as held:
                 assert held.status_code == 200 and "choices" in next(held.iter_lines())  # it runs, holding its slot
-                decoder.batch.steps_for[4] = 3
                 other = http.post("/v1/completions", json=BODY, headers={"X-Forwarded-For": "10.0.0.2"})
                 assert (other.status_code == 429) == limited, trusted
 
