@@ -48,13 +48,13 @@ void set_team(bool on);  // a decode forward in one parallel region (layer_cpu.c
 // none). Returns the bytes now in force.
 int64_t set_read_ahead(int64_t bytes);
 
-// Units [0, units) run as `run(first, last)` over the thread team. Guided: each thread takes the next chunk,
-// half of what is left divided among the threads, until none is left: large contiguous shares first, small ones
-// at the end, so a thread that starts late or is slowed by the memory takes fewer units instead of the other one
-// waiting for it at the join. A unit's outputs do not depend on which thread computes them: the same bits.
 // The next guided chunk of `left` units for a team of `threads`: half of what is left divided among the threads.
 inline int64_t guided_chunk(int64_t left, int64_t threads) { return std::max<int64_t>(1, left / (2 * threads)); }
 
+// Units [0, units) run as `run(first, last)` over the thread team. Guided: each thread takes the next chunk
+// (guided_chunk) until none is left: large contiguous shares first, small ones at the end, so a thread that
+// starts late or is slowed by the memory takes fewer units instead of the other one waiting for it at the join.
+// A unit's outputs do not depend on which thread computes them: the same bits.
 template <typename Run>
 void run_units(int64_t units, Run&& run) {
   const int64_t threads = at::get_num_threads();
