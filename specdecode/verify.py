@@ -23,7 +23,8 @@ rule). Each round is an exact speculative step whose target is the previous roun
 rounds do the emitted token is distributed as p (Miao et al. 2024; Chen et al. 2023). What q is per child:
 - deterministic siblings (greedy top-k of a draft model, n-gram branches): a point mass, `probs=None`. Then
   acceptance is p(x) / remaining mass and the residual is p with x zeroed: the rounds together just sample from p
-  and look for the result among the children, exact for any fixed set of distinct candidates.
+  and look for the result among the children, exact for any fixed set of distinct candidates. That is how they
+  run: one draw a depth, where rounds would build a residual row per rejected sibling and read each verdict back.
 - siblings drawn without replacement from q (the draft model's tree under sampling, Gumbel top-k): child j's row
   is q with the earlier siblings zeroed and renormalised, the distribution it was actually drawn from.
 - siblings drawn i.i.d. from q: every child's row is q itself.
@@ -134,6 +135,14 @@ def verify_tree(
     row = 0
     while True:
         remaining, accepted = target_probs[row], None
+        if draft_probs is None:  # point masses: the rounds together draw from p and look for the draw among them
+            drawn = int(sample(remaining, generator))  # one draw a depth, no residual rows, one host sync
+            accepted = next((c for c in children[row] if tokens[c] == drawn), None)
+            if accepted is None:
+                return Verdict(torch.tensor(tokens_on(path, tokens) + [drawn]), len(path), path)
+            path.append(accepted)
+            row = accepted + 1
+            continue
         for child in children[row]:
             proposal = None if draft_probs is None else draft_probs[child]
             accept, rest = sibling_round(remaining, draft_tokens[child], proposal)

@@ -169,6 +169,29 @@ def test_sampled_tree_first_token_follows_the_target():
     assert (counts / trials - target).abs().sum() < l1_bound(vocab, trials)
 
 
+def test_sampled_point_mass_tree_paths_follow_the_target():
+    """Two depths of a point-mass tree, seeded: each emitted pair (x0, x1) comes with probability p0(x0) p(x1 | x0)
+    where x0 is a child that has children, and x0 alone ends the step elsewhere."""
+    vocab, trials = 5, 40_000
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(6))
+    params = SamplingParams(temperature=1.0)
+    p = to_probs(logits, params).double()  # row 0: the root; row i + 1: after node i
+    tokens, parents = torch.tensor([2, 0, 4, 1, 3]), [-1, -1, 0, 1, 1]  # 2 -> {4}, 0 -> {1, 3}
+    expected = torch.zeros(vocab, vocab + 1, dtype=torch.float64)  # [x0, x1], column vocab: nothing after x0
+    for x0 in range(vocab):
+        row = {2: 1, 0: 2}.get(x0)
+        if row is None:
+            expected[x0, vocab] = p[0, x0]
+        else:
+            expected[x0, :vocab] = p[0, x0] * p[row]
+    gen = make_generator(1)
+    counts = torch.zeros_like(expected)
+    for _ in range(trials):
+        emitted = verify_tree(logits, tokens, parents, None, params, gen).emitted.tolist()
+        counts[emitted[0], emitted[1] if len(emitted) > 1 else vocab] += 1
+    assert (counts / trials - expected).abs().sum() < l1_bound(expected.numel(), trials)
+
+
 def test_top_p_over_the_likeliest_tokens_keeps_what_a_full_sort_keeps():
     """The nucleus is looked for among the likeliest 256, then 4,096 tokens, then all: rows of each kind."""
     gen = torch.Generator().manual_seed(5)
