@@ -56,3 +56,45 @@ def test_greedy_topk_is_softmax_and_topk():
     sparse[1, 7] = float("nan")
     index, prob = greedy_topk(sparse, 2)  # torch's answer: the finite one first
     assert index[0, 0] == 5 and prob[0, 0] == 1.0
+
+
+def torch_top_p(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The torch path of to_probs for temperature and top-p: the reference the native kernel must match."""
+    from specdecode.sampling import _outside_nucleus
+
+    scaled = logits / temperature
+    return scaled.masked_fill(_outside_nucleus(scaled, top_p), float("-inf")).softmax(-1)
+
+
+def test_top_p_on_the_kernel_keeps_torchs_nucleus_and_probabilities():
+    gen = torch.Generator().manual_seed(4)
+    peaked = torch.randn(5, 20_000, generator=gen) * 3
+    peaked[:, :12] += 10
+    peaked[1, 3:7] = float("-inf")  # masked tokens (a grammar, a logit bias) keep no probability
+    flat = torch.randn(2, 20_000, generator=gen) * 0.1  # a nucleus of most of the vocabulary: the last floor
+    for logits, temperature, top_p in ((peaked, 0.7, 0.9), (peaked, 1.3, 0.5), (flat, 1.0, 0.95)):
+        got = cpu_kernels().nucleus_probs(logits, temperature, top_p)
+        want = torch_top_p(logits, temperature, top_p)
+        assert torch.equal(got > 0, want > 0)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    bad = peaked.clone()
+    bad[2, 0] = float("nan")
+    assert cpu_kernels().nucleus_probs(bad, 0.7, 0.9).numel() == 0  # to_probs then asks torch
+
+
+def test_draws_on_the_kernel_follow_the_weights():
+    from specdecode.sampling import sample
+    from toy import l1_bound
+
+    weights = torch.tensor([[0.1, 0.0, 0.5, 0.4, 0.0], [0.0, 0.0, 3.0, 0.0, 1.0]])  # any scale
+    gen, trials = torch.Generator().manual_seed(9), 20_000
+    counts = torch.zeros_like(weights, dtype=torch.float64)
+    for _ in range(trials):
+        for row, token in enumerate(sample(weights, gen).tolist()):
+            counts[row, token] += 1
+    expected = weights.double() / weights.double().sum(-1, keepdim=True)
+    for row in range(2):
+        assert counts[row][weights[row] == 0].sum() == 0
+        assert (counts[row] / trials - expected[row]).abs().sum() < l1_bound(5, trials)
+    assert cpu_kernels().draw_rows(torch.zeros(1, 5), torch.tensor([0.5], dtype=torch.float64)).item() == -1
+    assert sample(torch.tensor([0.0, 0.0, 2.0]), gen).item() == 2

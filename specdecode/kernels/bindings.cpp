@@ -22,6 +22,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top1_probs", &top1_probs, "each row's argmax and its softmax probability; index -1 for a row with a NaN");
   m.def("topk_probs", &topk_probs, "each row's k largest values' indices, largest first, and their softmax "
         "probabilities; index -1 for a row with a NaN or fewer than k values above -inf");
+  m.def("nucleus_probs", &nucleus_probs, "softmax(logits / temperature) over each row's top-p nucleus, zero "
+        "elsewhere; an empty tensor where a row holds a NaN or only -inf");
+  m.def("draw_rows", &draw_rows, "one token a row of non-negative weights by inverse CDF in index order at u * total; "
+        "-1 for a row of zeros");
   m.def("mask_disallowed", &mask_disallowed, "logits -inf where a grammar's token bitmask has no bit (in place)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32, batch-invariant");
   m.def("silu_mul_", &silu_mul_, "g = silu(g) * u in place, float32, each value by one fixed sequence of operations");

@@ -142,6 +142,8 @@ torch::Tensor argmax_rows(const torch::Tensor& x);
 std::vector<torch::Tensor> top1_probs(const torch::Tensor& x);
 std::vector<torch::Tensor> topk_probs(const torch::Tensor& x, int64_t k);
 void mask_disallowed(torch::Tensor& logits, const torch::Tensor& bits);
+torch::Tensor nucleus_probs(const torch::Tensor& logits, double temperature, double top_p);
+torch::Tensor draw_rows(const torch::Tensor& weights, const torch::Tensor& u);
 torch::Tensor rope_store(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
                          torch::Tensor& v_cache, const torch::Tensor& slots);
