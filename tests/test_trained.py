@@ -262,7 +262,9 @@ def test_sampling_with_trained_drafters_keeps_the_targets_distribution(tiny_head
     prompt = [1, 2, 3, 4]
     exact = _exact_top2(target, prompt, 3, SAMPLED)
     if kind == "medusa":
-        drafter = MedusaDrafter(heads, [row[:2] for row in accuracy])
+        # four guesses a head: with two, whether this one prompt's guesses meet the target's two tokens at all
+        # hangs on how the tiny heads happened to train (on texts sampled by the engine)
+        drafter = MedusaDrafter(heads, [row[:4] for row in accuracy])
     else:
         drafter = EagleDrafter(head, target, (0, 1), width=2, expand=2, max_depth=3)
         drafter = HybridDrafter(drafter) if kind == "hybrid-eagle" else drafter
