@@ -144,6 +144,23 @@ def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torc
     return token.view(probs.shape[:-1])
 
 
+def gumbel_topk(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """[rows, vocab] probabilities -> k tokens a row drawn without replacement, in draw order [rows, k]: the k
+    largest log p + Gumbel noise (Gumbel top-k). The noise is drawn for the tokens above zero only (after top-p a
+    few; the others never win), so a row of 152k costs a few draws, not 152k. A row with fewer than k such tokens
+    ends with tokens of probability zero."""
+    k = min(k, probs.shape[-1])
+    rows = []
+    for row in probs:
+        support = row.nonzero().flatten()  # [s]
+        gumbel = -torch.empty(support.numel(), dtype=row.dtype, device=row.device).exponential_(generator=generator).log()
+        drawn = support[(row[support].log() + gumbel).topk(min(k, support.numel())).indices]
+        if drawn.numel() < k:
+            drawn = torch.cat((drawn, (row == 0).nonzero().flatten()[: k - drawn.numel()]))
+        rows.append(drawn)
+    return torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.long, device=probs.device)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     gen = torch.Generator(device=device)
     if seed is None:

@@ -26,7 +26,7 @@ from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.model import RowSlots
 from specdecode.planner import (FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR, MODEL_TRUST_RANGE,
                                 running_mean)
-from specdecode.sampling import greedy_topk, to_probs
+from specdecode.sampling import greedy_topk, gumbel_topk, to_probs
 
 Request = TypeVar("Request")
 
@@ -154,9 +154,7 @@ class GrowsTrees(Drafter):
             top_index, top_probs = greedy_topk(logits, min(self.width, logits.shape[-1]))  # [R, width] each
         else:
             probs = to_probs(logits, ctx.params)  # [R, vocab]
-            # Gumbel top-k: the largest log q + Gumbel noise are a draw without replacement, in draw order.
-            noise = -torch.empty_like(probs).exponential_(generator=ctx.generator).log()
-            top_index = (probs.log() + noise).topk(self.width, dim=-1).indices  # [R, width]
+            top_index = gumbel_topk(probs, self.width, ctx.generator)  # [R, width] a draw without replacement
             top_probs = probs.gather(-1, top_index)
             likeliest = probs.topk(self.width, dim=-1)  # for each draw's confidence, see below
         top_tokens = top_index if ids is None else ids[top_index]
