@@ -122,28 +122,33 @@ torch::Tensor draw_rows(const torch::Tensor& weights, const torch::Tensor& u) {
   const float* w = weights.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = w + m * V;
-    std::vector<int64_t> live;  // after top-p a row keeps a few tokens: the scans go over those
-    double total = 0;
+  // the weights above zero, in index order: blocks of eight without any are skipped (after top-p, nearly all)
+  auto each_live = [V](const float* row, auto&& visit) {
     const __m256 zero = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= V; i += 8)
       for (int any = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), zero, _CMP_GT_OQ)); any;
            any &= any - 1)
-        live.push_back(i + __builtin_ctz(any));
+        if (visit(i + __builtin_ctz(any))) return;
     for (; i < V; ++i)
-      if (row[i] > 0.f) live.push_back(i);
-    for (int64_t j : live) total += row[j];
+      if (row[i] > 0.f && visit(i)) return;
+  };
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = w + m * V;
+    double total = 0;
+    each_live(row, [&](int64_t j) {
+      total += row[j];
+      return false;
+    });
     o[m] = -1;
-    if (live.empty() || !std::isfinite(total)) continue;
+    if (total <= 0 || !std::isfinite(total)) continue;
     const double target = up[m] * total;
-    double below = 0;
-    for (int64_t j : live) {
+    double below = 0;  // the same sums in the same order as the total: the last interval ends at it exactly
+    each_live(row, [&](int64_t j) {
       below += row[j];
       o[m] = j;
-      if (below > target) break;  // u * total rounded up to the total falls to the last token above zero
-    }
+      return below > target;  // u * total rounded up to the total falls to the last token above zero
+    });
   }
   return out;
 }
