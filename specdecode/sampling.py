@@ -58,7 +58,7 @@ def to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    if (params.top_p < 1.0 and not params.top_k and params.min_p <= 0 and logits.is_cpu and logits.dim() >= 1
+    if (params.top_p < 1.0 and not params.top_k and params.min_p <= 0 and logits.is_cpu
             and (kernels := cpu_kernels()) is not None):  # ~0.1 ms a row of 152k against ~1.1-2 ms in torch
         rows = logits.reshape(-1, logits.shape[-1]).contiguous()
         probs = kernels.nucleus_probs(rows, params.temperature, params.top_p)
@@ -153,8 +153,8 @@ def gumbel_topk(probs: torch.Tensor, k: int, generator: torch.Generator | None) 
     rows = []
     for row in probs:
         support = row.nonzero().flatten()  # [s]
-        gumbel = -torch.empty(support.numel(), dtype=row.dtype, device=row.device).exponential_(generator=generator).log()
-        drawn = support[(row[support].log() + gumbel).topk(min(k, support.numel())).indices]
+        noise = torch.empty(support.numel(), dtype=row.dtype, device=row.device).exponential_(generator=generator)
+        drawn = support[(row[support].log() - noise.log()).topk(min(k, support.numel())).indices]
         if drawn.numel() < k:
             drawn = torch.cat((drawn, (row == 0).nonzero().flatten()[: k - drawn.numel()]))
         rows.append(drawn)

@@ -144,8 +144,7 @@ def verify_tree(
             row = accepted + 1
             continue
         for child in children[row]:
-            proposal = None if draft_probs is None else draft_probs[child]
-            accept, rest = sibling_round(remaining, draft_tokens[child], proposal)
+            accept, rest = sibling_round(remaining, draft_tokens[child], draft_probs[child])
             if float(torch.rand((), generator=generator, device=remaining.device)) < accept:
                 accepted = child
                 break
