@@ -134,23 +134,19 @@ def verify_tree(
     target_probs = to_probs(target_logits, params)  # [n + 1, vocab]
     row = 0
     while True:
-        remaining, accepted = target_probs[row], None
+        remaining, accepted, drawn = target_probs[row], None, None
         if draft_probs is None:  # point masses: the rounds together draw from p and look for the draw among them
             drawn = int(sample(remaining, generator))  # one draw a depth, no residual rows, one host sync
             accepted = next((c for c in children[row] if tokens[c] == drawn), None)
-            if accepted is None:
-                return Verdict(torch.tensor(tokens_on(path, tokens) + [drawn]), len(path), path)
-            path.append(accepted)
-            row = accepted + 1
-            continue
-        for child in children[row]:
-            accept, rest = sibling_round(remaining, draft_tokens[child], draft_probs[child])
-            if float(torch.rand((), generator=generator, device=remaining.device)) < accept:
-                accepted = child
-                break
-            remaining = rest
-        if accepted is None:
-            last = int(sample(remaining, generator))
+        else:
+            for child in children[row]:
+                accept, rest = sibling_round(remaining, draft_tokens[child], draft_probs[child])
+                if float(torch.rand((), generator=generator, device=remaining.device)) < accept:
+                    accepted = child
+                    break
+                remaining = rest
+        if accepted is None:  # the draw, or one from what the rounds left
+            last = drawn if drawn is not None else int(sample(remaining, generator))
             return Verdict(torch.tensor(tokens_on(path, tokens) + [last]), len(path), path)
         path.append(accepted)
         row = accepted + 1

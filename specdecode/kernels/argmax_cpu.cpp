@@ -15,54 +15,6 @@
 
 namespace {
 
-// The row's largest value; `nan` set when it holds a NaN (then the largest value means nothing).
-float row_max(const float* x, int64_t V, bool& nan) {
-  int64_t i = 0;
-  float best = -INFINITY;
-#if defined(__AVX512F__)
-  __m512 top[4];
-  for (auto& t : top) t = _mm512_set1_ps(-INFINITY);
-  __mmask16 unordered = 0;
-  for (; i + 64 <= V; i += 64)
-    for (int c = 0; c < 4; ++c) {
-      const __m512 v = _mm512_loadu_ps(x + i + 16 * c);
-      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      top[c] = _mm512_max_ps(top[c], v);
-    }
-  for (; i + 16 <= V; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    top[0] = _mm512_max_ps(top[0], v);
-  }
-  best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])));
-  nan = unordered != 0;
-#else
-  __m256 top[4];
-  for (auto& t : top) t = _mm256_set1_ps(-INFINITY);
-  __m256 unordered = _mm256_setzero_ps();
-  for (; i + 32 <= V; i += 32)
-    for (int c = 0; c < 4; ++c) {
-      const __m256 v = _mm256_loadu_ps(x + i + 8 * c);
-      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      top[c] = _mm256_max_ps(top[c], v);
-    }
-  for (; i + 8 <= V; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    top[0] = _mm256_max_ps(top[0], v);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(top[0], top[1]), _mm256_max_ps(top[2], top[3])));
-  for (float lane : lanes) best = std::max(best, lane);
-  nan = _mm256_movemask_ps(unordered) != 0;
-#endif
-  for (; i < V; ++i) {
-    nan = nan || std::isnan(x[i]);
-    best = std::max(best, x[i]);
-  }
-  return best;
-}
-
 // The first index holding `value` (which the row holds).
 int64_t first_at(const float* x, int64_t V, float value) {
   int64_t i = 0;
@@ -127,7 +79,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
       const int64_t begin = s * width, n = std::min(V, begin + width) - begin;
       for (int64_t m = 0; m < M; ++m) {
         ShareMax& r = share[m * S + s];
-        r.value = row_max(xp + m * V + begin, n, r.nan);
+        r.value = specdecode::row_max(xp + m * V + begin, n, r.nan);
         if (!r.nan) r.index = begin + first_at(xp + m * V + begin, n, r.value);
       }
     }
@@ -176,7 +128,7 @@ std::vector<torch::Tensor> topk_probs(const torch::Tensor& x, int64_t k) {
         const int64_t r = m * S + s;
         const float* row = xp + m * V + begin;
         bool row_nan = false;
-        share_max[r] = row_max(row, n, row_nan);
+        share_max[r] = specdecode::row_max(row, n, row_nan);
         nan[r] = row_nan;
         if (row_nan) continue;
         float* best = &top[r * k];
@@ -241,7 +193,7 @@ std::vector<torch::Tensor> top1_probs(const torch::Tensor& x) {
   for (int64_t m = 0; m < x.size(0); ++m)
     if (ip[m] < 0) {  // a row of -inf only: torch's argmax is 0 and its softmax NaN (0 / 0); a NaN: -1
       bool row_nan = false;
-      row_max(xp + m * x.size(1), x.size(1), row_nan);
+      specdecode::row_max(xp + m * x.size(1), x.size(1), row_nan);
       ip[m] = row_nan ? -1 : 0;
       pp[m] = NAN;
     }

@@ -30,24 +30,14 @@ inline float weight1(float x, float top, float inv_t) { return x == -INFINITY ? 
 constexpr float kFloors[] = {1e-3f, 1e-5f, 1e-7f, 0.f};
 
 bool nucleus_row(const float* x, int64_t V, float inv_t, double top_p, float* out) {
-  __m256 high = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= V; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    high = _mm256_max_ps(high, v);
-  }
-  alignas(32) float lanes8[8];
-  _mm256_store_ps(lanes8, high);
-  float top = -INFINITY;
-  for (float lane : lanes8) top = std::max(top, lane);
-  bool nan = _mm256_movemask_ps(unordered) != 0;
-  for (; i < V; ++i) nan |= x[i] != x[i], top = std::max(top, x[i]);
+  bool nan = false;
+  const float top = specdecode::row_max(x, V, nan);
   if (nan || top == -INFINITY) return false;
   // the weights into `out`, and their sum
   const __m256 shift = _mm256_set1_ps(top), scale = _mm256_set1_ps(inv_t);
   __m256 lanes = _mm256_setzero_ps();
-  for (i = 0; i + 8 <= V; i += 8) {
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
     const __m256 w = weights8(_mm256_loadu_ps(x + i), shift, scale);
     _mm256_storeu_ps(out + i, w);
     lanes = _mm256_add_ps(lanes, w);

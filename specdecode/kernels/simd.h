@@ -79,6 +79,54 @@ inline float quantize_block(const float* x, int64_t n, int8_t* q) {
   return scale;
 }
 
+// The row's largest value; `nan` set when it holds a NaN (then the largest value means nothing).
+inline float row_max(const float* x, int64_t V, bool& nan) {
+  int64_t i = 0;
+  float best = -INFINITY;
+#if defined(__AVX512F__)
+  __m512 top[4];
+  for (auto& t : top) t = _mm512_set1_ps(-INFINITY);
+  __mmask16 unordered = 0;
+  for (; i + 64 <= V; i += 64)
+    for (int c = 0; c < 4; ++c) {
+      const __m512 v = _mm512_loadu_ps(x + i + 16 * c);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      top[c] = _mm512_max_ps(top[c], v);
+    }
+  for (; i + 16 <= V; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top[0] = _mm512_max_ps(top[0], v);
+  }
+  best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])));
+  nan = unordered != 0;
+#else
+  __m256 top[4];
+  for (auto& t : top) t = _mm256_set1_ps(-INFINITY);
+  __m256 unordered = _mm256_setzero_ps();
+  for (; i + 32 <= V; i += 32)
+    for (int c = 0; c < 4; ++c) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * c);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      top[c] = _mm256_max_ps(top[c], v);
+    }
+  for (; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    top[0] = _mm256_max_ps(top[0], v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(top[0], top[1]), _mm256_max_ps(top[2], top[3])));
+  for (float lane : lanes) best = std::max(best, lane);
+  nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+  for (; i < V; ++i) {
+    nan = nan || std::isnan(x[i]);
+    best = std::max(best, x[i]);
+  }
+  return best;
+}
+
 // exp(x) of eight lanes, for x <= 0 (softmax after subtracting the maximum): exp(x) = 2^n exp(r), r = x - n ln 2,
 // exp(r) by a degree-7 polynomial; within ~2 ulp of expf. Lane by lane, so a row's weights do not depend on
 // where its scores sit in a vector.
