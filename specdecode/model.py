@@ -303,6 +303,32 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class RotaryTable:
+    """cos and sin [positions, head_dim] of the rotary angles, grown by whole blocks of ROTARY_BLOCK positions,
+    each computed alone: a position's bits never depend on when the table grew, and each block is one vectorized
+    loop on one thread, as a forward's own angles were."""
+
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype) -> None:
+        self.inv_freq, self.dtype = inv_freq, dtype
+        self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype)
+
+    def upto(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables, covering at least positions [0, need): grown to a power of two when they do not."""
+        have = self.cos.shape[0]
+        if have < need:
+            cos, sin = [self.cos], [self.sin]
+            for first in range(have, 1 << max(need - 1, 255).bit_length(), ROTARY_BLOCK):
+                freqs = torch.arange(first, first + ROTARY_BLOCK).float()[:, None] * self.inv_freq  # [block, hd/2]
+                angles = torch.cat((freqs, freqs), dim=-1)
+                cos.append(angles.cos().to(self.dtype))
+                sin.append(angles.sin().to(self.dtype))
+            self.cos, self.sin = torch.cat(cos), torch.cat(sin)
+        return self.cos, self.sin
+
+
+ROTARY_BLOCK = 128
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -312,6 +338,7 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._rotary_table: RotaryTable | None = None  # _rotary's, on the CPU
         self._native: tuple[tuple, object | None] = ((), None)  # (the linear modules it was built from, the stack)
         self._native_edits = -1  # module_edits.count when the linear modules were last compared
 
@@ -359,16 +386,26 @@ class Transformer(nn.Module):
             rows = (part.rows or row_slots(part.attn_mask)) if part.decode else None
             segments.append(Segment(begin, begin + t, part.cache, write_pos, None if rows else part.mask(), rows))
             begin += t
-        tokens = torch.cat([p.tokens for p in parts])[None]  # [1, N]
-        positions = torch.cat([p.positions for p in parts])[None]
+        if len(parts) == 1:  # a lone request's step: views, not copies (each tensor operation costs microseconds)
+            tokens, positions = parts[0].tokens[None], parts[0].positions[None]
+        else:
+            tokens = torch.cat([p.tokens for p in parts])[None]  # [1, N]
+            positions = torch.cat([p.positions for p in parts])[None]
         hidden = self._layers(tokens, positions, segments, feature_layers)[0]  # [N, d (+ features)]
-        wanted = [torch.arange(s.begin + p.logits_from, s.end, device=hidden.device) for s, p in zip(segments, parts)]
-        final = hidden[torch.cat(wanted), : self.config.hidden_size]
+        size = self.config.hidden_size
+        # The rows whose logits are wanted: slices where they are (every row, or one part's tail), else gathered
+        if all(p.logits_from == 0 for p in parts):
+            final = hidden if hidden.shape[-1] == size else hidden[:, :size]
+        elif len(parts) == 1:
+            final = hidden[parts[0].logits_from :, :size]
+        else:
+            final = torch.cat([hidden[s.begin + p.logits_from : s.end, :size] for s, p in zip(segments, parts)])
         logits = self.lm_head(final[None])[0].float()  # [sum of wanted, vocab]
         out, at = [], 0
-        for seg, rows in zip(segments, wanted):
-            out.append((logits[at : at + rows.numel()], hidden[seg.begin : seg.end]))
-            at += rows.numel()
+        for seg, part in zip(segments, parts):
+            count = seg.end - seg.begin - part.logits_from
+            out.append((logits[at : at + count], hidden[seg.begin : seg.end]))
+            at += count
         return out
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
@@ -376,9 +413,7 @@ class Transformer(nn.Module):
         """Embedding, every decoder layer and the final norm -> hidden states [B, T, d], then the inputs of
         `feature_layers` (what an EAGLE-style head drafts from), [B, T, d * (1 + len(feature_layers))]."""
         x = self.model.embed_tokens(tokens)  # [B, T, d]
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, hd] each
         if (native := self._native_layers(x, segments)) is not None:
             # decode steps, every layer and the final norm in one native call: the same operations as the loop below
             rows = cpu_kernels().DecodeRows(
@@ -395,6 +430,22 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         return torch.cat((x, *captured), dim=-1) if captured else x
 
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, 1, T, head_dim] of the rotary angles at `positions` [B, T]. On the CPU, rows of tables
+        computed once for positions up to a power of two (six tensor operations a forward were ~0.1 ms, a
+        percent of a small draft model's forward); every forward reads the same table, so a position's values
+        never depend on the forward it is in."""
+        if positions.device.type != "cpu":  # no table: its length would need the largest position (a sync)
+            freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
+            angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+            return angles.cos().to(dtype), angles.sin().to(dtype)
+        table = self._rotary_table
+        if table is None or table.inv_freq is not self.inv_freq or table.dtype != dtype:
+            table = self._rotary_table = RotaryTable(self.inv_freq, dtype)
+        cos, sin = table.upto(int(positions.max()) + 1 if positions.numel() else 1)
+        flat, shape = positions.reshape(-1), (positions.shape[0], 1, positions.shape[1], -1)
+        return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
 
     def _native_layers(self, x: torch.Tensor, segments: list[Segment]):
         """The decoder layers and the final norm as one native decode step (kernels/layer_cpu.h, DecoderStack), or

@@ -47,6 +47,21 @@ def test_cached_forward_equals_uncached():
 
 
 @torch.no_grad()
+def test_rotary_tables_give_each_position_one_value_in_any_forward():
+    model = native_from_hf(hf_model("qwen2"))
+    alone = [model._rotary(torch.tensor([[p]]), torch.float32) for p in (0, 7, 255)]
+    together = model._rotary(torch.tensor([[0, 7, 255], [3, 4, 5]]), torch.float32)
+    assert together[0].shape == (2, 1, 3, model.config.head_dim)
+    for i, (cos, sin) in enumerate(alone):  # bit for bit: a row's angles never depend on the rows beside it
+        assert torch.equal(together[0][0, 0, i], cos[0, 0, 0]) and torch.equal(together[1][0, 0, i], sin[0, 0, 0])
+    grown = model._rotary(torch.tensor([[7, 1000]]), torch.float32)  # past the first table: a longer one
+    assert torch.equal(grown[0][0, 0, 0], alone[1][0][0, 0, 0])
+    freqs = torch.tensor([[7.0, 1000.0]])[..., None] * model.inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+    assert torch.equal(grown[0], angles.cos()) and torch.equal(grown[1], angles.sin())  # what a forward computed
+
+
+@torch.no_grad()
 def test_tree_masked_forward_equals_each_path_alone():
     model = native_from_hf(hf_model("qwen2"))
     prefix = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
