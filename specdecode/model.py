@@ -303,6 +303,9 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+ROTARY_BLOCK = 128  # positions a block of the rotary tables holds (each block computed in one tensor operation)
+
+
 class RotaryTable:
     """cos and sin [positions, head_dim] of the rotary angles, grown by whole blocks of ROTARY_BLOCK positions,
     each computed alone: a position's bits never depend on when the table grew, and each block is one vectorized
@@ -324,9 +327,6 @@ class RotaryTable:
                 sin.append(angles.sin().to(self.dtype))
             self.cos, self.sin = torch.cat(cos), torch.cat(sin)
         return self.cos, self.sin
-
-
-ROTARY_BLOCK = 128
 
 
 class Transformer(nn.Module):
@@ -429,7 +429,6 @@ class Transformer(nn.Module):
             x = x + block.mlp(block.post_attention_layernorm(x))
         x = self.model.norm(x)
         return torch.cat((x, *captured), dim=-1) if captured else x
-
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, 1, T, head_dim] of the rotary angles at `positions` [B, T]. On the CPU, rows of tables
