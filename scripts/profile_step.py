@@ -289,10 +289,11 @@ def instrument(sd: SpecDecoder, timer: SelfTimer) -> None:
     timer.wrap(TokenBridge, "to_target", "token mapping")
 
 
-def prompts(limit: int) -> list[tuple[str, str]]:
+def prompts(limit: int, data: Path = DATA) -> list[tuple[str, str]]:
+    """(set, text) of the first `limit` prompts of each dev set under `data` (MT-Bench: the first turn)."""
     out = []
     for name in ("humaneval_dev.jsonl", "mt_bench.jsonl", "gsm8k_dev.jsonl"):
-        path = DATA / name
+        path = data / name
         if not path.exists():
             continue
         for line in path.read_text().splitlines()[:limit]:

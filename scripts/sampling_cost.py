@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import time
 from pathlib import Path
 
 import torch
+from profile_step import DATA, prompts  # beside this script
 
 from specdecode import SamplingParams, SpecDecoder, sampling
 from specdecode.drafters import HybridDrafter, NoDrafter
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CALLERS = ("specdecode.verify", "specdecode.sequence", "specdecode.drafters.tree_growth")  # import to_probs, sample
 
 
@@ -40,14 +39,6 @@ class TorchPath:
 
     def draw_rows(self, weights, u):
         return torch.full((weights.shape[0],), -1, dtype=torch.long)
-
-
-def prompts(data: Path, per_set: int) -> list[str]:
-    def rows(name: str) -> list[dict]:
-        return [json.loads(line) for line in (data / name).read_text().splitlines()[:per_set]]
-
-    return ([r["prompt"] for r in rows("humaneval_dev.jsonl")] + [r["turns"][0] for r in rows("mt_bench.jsonl")]
-            + [r["question"] for r in rows("gsm8k_dev.jsonl")])
 
 
 def main() -> None:
@@ -84,7 +75,7 @@ def main() -> None:
     drafters = {"none": NoDrafter, "draft": model_drafter.fork, "hybrid": lambda: HybridDrafter(model_drafter.fork())}
     decoders = {m: sd.__class__(sd.engine.target, sd.tokenizer, drafters[m](), m, None, costs=sd.engine.costs)
                 for m in args.methods.split(",")}
-    texts = prompts(args.data, args.per_set)
+    texts = [text for _, text in prompts(args.per_set, args.data)]
     print("| round | path | method | ms a token sampling | tokens/s |\n|---:|---|---|---:|---:|")
     for r in range(args.rounds):
         for path in ("kernels", "torch") if r % 2 == 0 else ("torch", "kernels"):
