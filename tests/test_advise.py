@@ -71,6 +71,19 @@ def test_the_advice_is_the_fastest_drafter_with_its_command_lines():
     assert "draft@small" in table(results)
 
 
+def test_of_level_drafters_the_advice_is_the_one_holding_least_memory():
+    results = with_speedups({"none": result(10.0), "suffix": result(12.4, 0.6, 1.4, 0.4, "suffix"),
+                             "hybrid@small": result(12.6, 0.6, 2.4, 23.0, "hybrid", "small")})
+    results["hybrid@small"].update(extra_weights_bytes=400 * 2**20, extra_cache_bytes_per_token=12288)
+    advised = advice(results, "big")
+    assert advised["method"] == "suffix" and advised["within_noise"] == ["hybrid@small"]
+    assert "level with the fastest, hybrid@small (1.26x), which holds 400 MiB more" in advised["reason"]
+    assert advised["serve"] == "specdecode serve --target big --method suffix"
+    results["hybrid@small"]["tokens_per_s"] = 14.0  # clearly faster: worth its memory
+    advised = advice(with_speedups(results), "big")
+    assert advised["method"] == "hybrid@small" and advised["within_noise"] == []
+
+
 @pytest.mark.parametrize("acceptance, why", [(0.1, "rarely right"), (0.8, "costs more than")])
 def test_when_no_drafter_pays_the_advice_says_why(acceptance, why):
     results = with_speedups({"none": result(10.0),

@@ -1,8 +1,11 @@
-"""From measured runs to advice: a table of every candidate and the command lines of the one that pays most.
+"""From measured runs to advice: a table of every candidate and the command lines of the one to use.
 
-A drafter pays when its tokens/s beats plain decoding's by more than this machine's noise (PAYS). When none does,
-the advice is plain decoding, and the reason is read from the best drafter's numbers: guesses rarely right
-(acceptance), or right but dearer to draft and verify than the forwards they save (cost).
+A drafter pays when its tokens/s beats plain decoding's by more than this machine's noise (PAYS). Of the drafters
+that pay, those within that noise of the fastest are level: the advice is the one of them that holds the least
+memory beyond the target (copying before a draft model), since the measurement cannot tell them apart and a draft
+model costs its weights, its cache and its read of every prompt. When none pays, the advice is plain decoding, and
+the reason is read from the best drafter's numbers: guesses rarely right (acceptance), or right but dearer to
+draft and verify than the forwards they save (cost).
 """
 
 from __future__ import annotations
@@ -33,12 +36,25 @@ def advice(results: dict[str, dict[str, Any]], target: str) -> dict[str, Any]:
     if best is None or speedup is None or speedup < PAYS:
         reason = _why_not(best, drafting.get(best))
         return {"method": "none", "pays": False, "reason": reason, **commands("none", None, target)}
-    r = drafting[best]
-    reason = (f"{speedup:.2f}x plain decoding: {_percent(r['acceptance_rate'])} of drafted tokens accepted, "
-              f"{r['mean_accepted_length']:.2f} tokens per target forward")
-    close = [m for m, o in drafting.items() if m != best and o["tokens_per_s"] * PAYS >= r["tokens_per_s"]]
-    method, draft = results[best]["method"], results[best].get("draft")
-    return {"method": best, "pays": True, "reason": reason, "within_noise": close, **commands(method, draft, target)}
+    fastest = drafting[best]["tokens_per_s"]
+    level = [m for m, o in drafting.items()
+             if o["tokens_per_s"] * PAYS >= fastest and (o["speedup_vs_none"] or 0) >= PAYS]
+    chosen = min(level, key=lambda m: (_extra_memory(drafting[m]), -drafting[m]["tokens_per_s"]))
+    r = drafting[chosen]
+    reason = (f"{r['speedup_vs_none']:.2f}x plain decoding: {_percent(r['acceptance_rate'])} of drafted tokens "
+              f"accepted, {r['mean_accepted_length']:.2f} tokens per target forward")
+    if chosen != best:
+        more = (_extra_memory(drafting[best])[0] - _extra_memory(r)[0]) / 2**20
+        held = f"{more:.0f} MiB more" if more >= 1 else "more memory"
+        reason += f"; level with the fastest, {best} ({speedup:.2f}x), which holds {held}"
+    close = [m for m in level if m != chosen]
+    method, draft = results[chosen]["method"], results[chosen].get("draft")
+    return {"method": chosen, "pays": True, "reason": reason, "within_noise": close, **commands(method, draft, target)}
+
+
+def _extra_memory(r: dict[str, Any]) -> tuple[int, int]:
+    """(weights, cache bytes per token) a candidate holds beyond the target."""
+    return r.get("extra_weights_bytes") or 0, r.get("extra_cache_bytes_per_token") or 0
 
 
 def _why_not(best: str | None, r: dict[str, Any] | None) -> str:
@@ -71,7 +87,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def _memory(r: dict[str, Any]) -> str:
-    weights, per_token = r.get("extra_weights_bytes") or 0, r.get("extra_cache_bytes_per_token") or 0
+    weights, per_token = _extra_memory(r)
     if not weights and not per_token:
         return "-"
     return f"{weights / 2**20:.0f} MiB + {per_token * 1024 / 2**20:.1f} MiB per 1k tokens"
