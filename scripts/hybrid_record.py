@@ -64,6 +64,8 @@ class StepLog:
 
         def charged_commit(drafter, accepted, verified=None):  # every request's fork commits through the class
             commit(drafter, accepted, verified)
+            if drafter.used is None:  # it proposed nothing this request yet
+                return
             model = drafter.used is drafter.draft and drafter.plan.costs is not None
             log.now.update(model=model, tokens=len(accepted) + 1)
             if model:
