@@ -2,9 +2,9 @@
 
 A verify forward's extra rows are bound either by the weights' read (their bytes, whatever the rows) or by the
 integer arithmetic of the rows (multiply-adds, growing with them). This times each kind of linear layer of the
-first decoder layers (q, k, v, o, gate, up, down, grouped by block format and shape) over `--rows` rows two ways:
-`hot`, one layer's weights again and again (they stay in the caches); `in turn`, the same projection of every
-layer one after another (the weights of all of them, from memory where they outgrow the last-level cache). Where
+decoder (q, k, v, o, gate, up, down; one line per block format and shape) over `--rows` rows two ways: `hot`, the
+first layer's weights again and again (they stay in the caches); `in turn`, the same projection of every layer
+one after another (the weights of all of them, from memory where they outgrow the last-level cache). Where
 the two agree at several rows, the rows' arithmetic sets the time, not the memory.
 
     python scripts/linear_rate.py                                   # the default target, 1/4/8/16/64 rows
@@ -60,7 +60,7 @@ def main() -> None:
             first = modules[0]
             fmt = getattr(getattr(first, "format", None), "name", type(first).__name__)
             shape = (fmt, first.in_features, first.out_features)
-            if shape in seen:  # up has gate's format and shape
+            if shape in seen:  # up has gate's format and shape (and o often q's): timed once
                 continue
             seen.add(shape)
             weight_bytes = first.weight_bytes
