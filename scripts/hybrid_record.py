@@ -19,14 +19,13 @@ every step, and prints per prompt:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from profile_step import prompts
 
 from specdecode import SamplingParams, SpecDecoder
+from specdecode.bench.data import load_prompts
 from specdecode.drafters import HybridDrafter
 
 
@@ -101,13 +100,13 @@ def report(name: str, new_tokens: int, wall: float, steps: list[dict], one_row_s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", nargs="*", type=Path, help="JSONL prompt sets with a `prompt` field (default: the dev sets)")
+    ap.add_argument("files", nargs="*", help="JSONL prompt sets, as `specdecode bench --dataset` reads them (first "
+                    "turns; default: the dev sets)")
     ap.add_argument("--limit", type=int, default=1, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
     sets = prompts(args.limit) if not args.files else [
-        (path.stem, json.loads(line)["prompt"]) for path in args.files
-        for line in path.read_text().splitlines()[: args.limit]]
+        (p.dataset, p.messages(0, [])) for p in load_prompts(args.files, args.limit, prompt_as_chat=True)]
     sd = SpecDecoder.load(method="hybrid")
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     sd.generate("Say hi.", params, chat=True)  # kernels, caches, the cost curve

@@ -306,6 +306,12 @@ class Decoder(nn.Module):
 ROTARY_BLOCK = 128  # positions a block of the rotary tables holds (each block computed in one tensor operation)
 
 
+def rotary_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """The rotary angles [..., head_dim] at `positions` [...]: each frequency's, twice (the rotated halves)."""
+    freqs = positions[..., None].float() * inv_freq  # [..., hd/2]
+    return torch.cat((freqs, freqs), dim=-1)
+
+
 class RotaryTable:
     """cos and sin [positions, head_dim] of the rotary angles, grown by whole blocks of ROTARY_BLOCK positions,
     each computed alone: a position's bits never depend on when the table grew, and each block is one vectorized
@@ -321,8 +327,7 @@ class RotaryTable:
         if have < need:
             cos, sin = [self.cos], [self.sin]
             for first in range(have, 1 << max(need - 1, 255).bit_length(), ROTARY_BLOCK):
-                freqs = torch.arange(first, first + ROTARY_BLOCK).float()[:, None] * self.inv_freq  # [block, hd/2]
-                angles = torch.cat((freqs, freqs), dim=-1)
+                angles = rotary_angles(torch.arange(first, first + ROTARY_BLOCK), self.inv_freq)  # [block, hd]
                 cos.append(angles.cos().to(self.dtype))
                 sin.append(angles.sin().to(self.dtype))
             self.cos, self.sin = torch.cat(cos), torch.cat(sin)
@@ -394,10 +399,10 @@ class Transformer(nn.Module):
         hidden = self._layers(tokens, positions, segments, feature_layers)[0]  # [N, d (+ features)]
         size = self.config.hidden_size
         # The rows whose logits are wanted: slices where they are (every row, or one part's tail), else gathered
-        if all(p.logits_from == 0 for p in parts):
-            final = hidden if hidden.shape[-1] == size else hidden[:, :size]
-        elif len(parts) == 1:
+        if len(parts) == 1:
             final = hidden[parts[0].logits_from :, :size]
+        elif all(p.logits_from == 0 for p in parts):
+            final = hidden[:, :size]
         else:
             final = torch.cat([hidden[s.begin + p.logits_from : s.end, :size] for s, p in zip(segments, parts)])
         logits = self.lm_head(final[None])[0].float()  # [sum of wanted, vocab]
@@ -436,8 +441,7 @@ class Transformer(nn.Module):
         percent of a small draft model's forward); every forward reads the same table, so a position's values
         never depend on the forward it is in."""
         if positions.device.type != "cpu":  # no table: its length would need the largest position (a sync)
-            freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
-            angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+            angles = rotary_angles(positions, self.inv_freq)[:, None]
             return angles.cos().to(dtype), angles.sin().to(dtype)
         table = self._rotary_table
         if table is None or table.inv_freq is not self.inv_freq or table.dtype != dtype:
