@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 import traceback
 from pathlib import Path
@@ -233,8 +234,20 @@ class Oracle(Drafter):
         return Draft.chain(torch.tensor(guesses, dtype=torch.long))
 
 
+def set_graphs(mode: str | bool, *models) -> None:
+    """CUDA graphs on or off for engines built from now on (the engine turns them on by itself on a GPU); mode
+    "graphs-rows": attention one row at a time in them (SPECDECODE_GRAPH_ROWS)."""
+    on = mode not in (False, "eager")
+    os.environ["SPECDECODE_CUDA_GRAPHS"] = "1" if on else "0"
+    os.environ["SPECDECODE_GRAPH_ROWS"] = "1" if mode == "graphs-rows" else "0"
+    for model in models:
+        model.use_graphs(False)  # a fresh set of graphs in the mode asked
+        model.use_graphs(on and model.device.type == "cuda")
+
+
 def engine(args, device) -> dict:
-    """Greedy identity of every method against `none`, the target drafting for itself where a draft model runs."""
+    """Greedy identity of every method against `none`, the target drafting for itself where a draft model runs:
+    eager, and with the lone request's forwards replayed as CUDA graphs (cuda_graphs.py)."""
     from specdecode.engine import Engine
     from specdecode.loading import Models
     from specdecode.methods import build_drafter
@@ -242,7 +255,7 @@ def engine(args, device) -> dict:
     shape = TOY if args.small else SMOL
     out = {}
     methods = ["draft", "ngram", "recycle", "lookahead", "suffix", "hybrid"]
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         target = random_model(shape, dtype, device, seed=2)
         # A peaked head (untied, x20): random weights otherwise give near-uniform guesses a draft model won't make.
         target.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach() * 20)
@@ -261,19 +274,89 @@ def engine(args, device) -> dict:
             sync(device)
             return answers, accepted, time.perf_counter() - t0
 
-        plain, _, plain_s = run(build_drafter("none", models), 4)
         d = str(dtype)[6:]
-        out[f"{d}/none"] = {"s": round(plain_s, 2)}
-        for name in methods:
-            try:
-                answers, accepted, secs = run(build_drafter(name, models), 4)
-                same = sum(a == b for a, b in zip(answers, plain))
-                first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(answers, plain)]
-                out[f"{d}/{name}"] = {"identical": f"{same}/{len(plain)}", "first_difference": first,
-                                      "accepted_length": [round(a, 2) for a in accepted], "s": round(secs, 2)}
-            except Exception as e:  # one method failing must not hide the others
-                out[f"{d}/{name}"] = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-600:]}
+        set_graphs(False, target)
+        plain, _, plain_s = run(build_drafter("none", models), 4)
+        out[f"{d}/eager/none"] = {"s": round(plain_s, 2)}
+        for mode in args.modes.split(","):
+            set_graphs(mode, target)
+            for name in (["none"] if mode != "eager" else []) + methods:
+                try:
+                    answers, accepted, secs = run(build_drafter(name, models), 4)
+                    same = sum(a == b for a, b in zip(answers, plain))
+                    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                             for a, b in zip(answers, plain)]
+                    out[f"{d}/{mode}/{name}"] = {"identical_to_eager_none": f"{same}/{len(plain)}",
+                                                 "first_difference": first, "s": round(secs, 2),
+                                                 "accepted_length": [round(a, 2) for a in accepted]}
+                    if mode != "eager" and name == "none":
+                        graphed_plain = answers
+                    elif mode != "eager":
+                        out[f"{d}/{mode}/{name}"]["identical_to_graphed_none"] = (
+                            f"{sum(a == b for a, b in zip(answers, graphed_plain))}/{len(plain)}")
+                except Exception as e:  # one method failing must not hide the others
+                    out[f"{d}/{mode}/{name}"] = {"error": f"{type(e).__name__}: {e}",
+                                                 "where": traceback.format_exc()[-600:]}
+        if target.graphs is not None:
+            out[f"{d}/graphs_captured"] = len(target.graphs.shapes)
+        set_graphs(False, target)
         del target, models
+    return out
+
+
+def engine_speed(args, device) -> dict:
+    """Through the engine, a Llama-3-8B-shaped bfloat16 target, eager and as CUDA graphs: `none`, a drafter that
+    knows the answer and is right with p = 0.8 per token at fixed draft sizes, and a 1B-shaped draft model
+    (random: its guesses are wrong, so this prices its drafting). tok/s of a second run (the first captures)."""
+    from specdecode.drafters import NoDrafter
+    from specdecode.engine import Engine
+    from specdecode.loading import Models
+    from specdecode.methods import build_drafter
+
+    dtype = getattr(torch, args.speed_dtype)
+    model = random_model(TOY if args.small else LLAMA_8B, dtype, device, seed=3)
+    small = random_model(TOY if args.small else LLAMA_1B, dtype, device, seed=4)
+    vocab, prompt_len = model.config.vocab_size, 128
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
+
+    def twice(eng):
+        first = time.perf_counter()
+        [t for step in eng.generate(prompt, params) for t in step.tokens]
+        sync(device)
+        first = time.perf_counter() - first
+        t0 = time.perf_counter()
+        got = [t for step in eng.generate(prompt, params) for t in step.tokens]
+        sync(device)
+        secs = time.perf_counter() - t0
+        s = eng.last.stats
+        return got, {"tok_s": round(len(got) / secs, 1), "first_run_s": round(first, 2),
+                     "accepted_length": round(s.mean_accepted_length, 2),
+                     "draft_ms_per_step": round(s.draft_s / max(s.target_forwards, 1) * 1000, 2),
+                     "drafted_per_step": round(s.drafted_tokens / max(s.drafts, 1), 2)}
+
+    out = {}
+    for mode in args.modes.split(","):
+        set_graphs(mode, model, small)
+        try:
+            answer, out[f"{mode}/none"] = twice(Engine(model, NoDrafter(), num_draft_tokens=1, max_len=1024))
+            for k in (4, 8, 16):
+                got, rec = twice(Engine(model, Oracle(prompt, answer, 0.8), num_draft_tokens=k, max_len=1024))
+                out[f"{mode}/oracle k={k}"] = dict(rec, identical=got == answer)
+            for k in (4,):
+                drafter = build_drafter("draft", Models(model, None, draft=small), "chain")
+                got, rec = twice(Engine(model, drafter, num_draft_tokens=k, max_len=1024))
+                out[f"{mode}/draft-1b k={k}"] = dict(rec, identical=got == answer)
+        except Exception as e:
+            out[f"{mode}/error"] = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-1200:]}
+        if model.graphs is not None:
+            out[f"{mode}/graphs_captured"] = {"target": len(model.graphs.shapes),
+                                              "draft": len(small.graphs.shapes) if small.graphs else 0}
+        if device.type == "cuda":
+            out[f"{mode}/max_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
+    set_graphs(False, model, small)
+    out["vs_none_of_its_mode"] = {k: round(v["tok_s"] / out[k.split("/")[0] + "/none"]["tok_s"], 2)
+                                  for k, v in out.items() if isinstance(v, dict) and "tok_s" in v}
     return out
 
 
@@ -475,7 +558,8 @@ def graphs(args, device) -> dict:
     return out
 
 
-SECTIONS = {"graphs": graphs, "machine": machine, "parity": parity, "rows": rows, "engine": engine, "speed": speed}
+SECTIONS = {"graphs": graphs, "machine": machine, "parity": parity, "rows": rows, "engine": engine, "speed": speed,
+            "engine_speed": engine_speed}
 
 
 def main() -> None:
@@ -486,6 +570,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64, help="tokens per decode run")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--modes", default="eager,graphs", help="engine sections: eager, graphs, graphs-rows")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="engine section")
+    ap.add_argument("--speed-dtype", default="bfloat16", help="engine_speed section")
     args = ap.parse_args()
     device = torch.device(args.device)
     args.machine = {}

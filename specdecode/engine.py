@@ -35,7 +35,8 @@ from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.lockstep import run_batched
 from specdecode.errors import SpecdecodeError
 from specdecode.kv_cache import KVCache, bytes_per_token
-from specdecode.model import Part, prompt_as_decode_rows, rows_exact
+from specdecode.cuda_graphs import graphs_wanted
+from specdecode.model import Part, Transformer, prompt_as_decode_rows, rows_exact
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.planner import MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, Planner
 from specdecode.prompt_cache import PromptCache
@@ -86,6 +87,10 @@ class Engine:
         self.prompt_cache = prompt_cache if rows_exact(target) else None  # copied rows are the rows it would compute
         # A drafter's own cache grows with the context too: the KV budget counts it, in target tokens.
         self.kv_scale = 1.0 + drafter.cache_bytes_per_token / (bytes_per_token(target) or math.inf)
+        if graphs_wanted():  # on a GPU a lone request's forwards replay as CUDA graphs: launches cost the most there
+            for model in (target, drafter.forward_model):
+                if isinstance(model, Transformer) and model.device.type == "cuda":
+                    model.use_graphs()
 
     def set_limits(self, max_running: int, kv_budget_tokens: int | None = None) -> None:
         self.max_running = max_running
@@ -190,6 +195,7 @@ class Engine:
         Its Sequence (tokens, stats) is `self.last`. Close the iterator to stop early."""
         if self.last is not None:
             self.remove(self.last)  # an earlier generate left unfinished (its iterator dropped, not closed)
+            self.last = None  # its cache goes back to the model before the next one is lent
         if self.running:
             raise SpecdecodeError("generate runs one request alone; this engine is serving others (use add/step)")
         self.last = self.add(prompt_ids, params, num_draft_tokens, prediction)

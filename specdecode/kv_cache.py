@@ -31,6 +31,13 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # number of valid positions, [0, length)
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """An empty cache over existing buffers (a model's CUDA graphs lend theirs: graphs fix addresses)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.max_len, cache.length = k, v, k.shape[3], 0
+        return cache
+
     def truncate(self, length: int) -> None:
         """Keep positions [0, length); everything after is garbage that the next write replaces."""
         if not 0 <= length <= self.max_len:

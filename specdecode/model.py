@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.config import ModelConfig
+from specdecode.cuda_graphs import GraphedForwards
 from specdecode.kernels import cpu_kernels
 from specdecode.kv_cache import KVCache
 from specdecode.masks import chain_mask
@@ -124,6 +125,7 @@ class Segment:
     write_pos: torch.Tensor  # [end - begin] cache slots of the new tokens: cache.length onwards
     attn_mask: torch.Tensor | None  # [B or 1, 1, end - begin, S]; None where rows are given
     rows: RowSlots | None  # decode mode: each row's slots; None = one attention call under attn_mask
+    mask_rows: bool = False  # rows None: one attention call per row, each under its own row of attn_mask
 
 
 @dataclass(slots=True)
@@ -240,6 +242,13 @@ class Attention(nn.Module):
             k = k * cos + rotate_half(k) * sin
             k_cache.index_copy_(2, write_pos, k)
             v_cache.index_copy_(2, write_pos, v)
+        if rows is None and seg.mask_rows:  # per row, as a one-row forward with the same mask width computes it
+            span = attn_mask.shape[-1]
+            return torch.cat([
+                F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, :span], v_cache[:, :, :span],
+                                               attn_mask=attn_mask[:, :, j : j + 1], enable_gqa=True)
+                for j in range(q.shape[2])
+            ], dim=2)  # fmt: skip
         if rows is None:
             span = attn_mask.shape[-1]
             return F.scaled_dot_product_attention(
@@ -346,6 +355,17 @@ class Transformer(nn.Module):
         self._rotary_table: RotaryTable | None = None  # _rotary's, on the CPU
         self._native: tuple[tuple, object | None] = ((), None)  # (the linear modules it was built from, the stack)
         self._native_edits = -1  # module_edits.count when the linear modules were last compared
+        self.graphs: GraphedForwards | None = None  # a lone sequence's decode forwards as CUDA graphs (cuda_graphs.py)
+
+    def use_graphs(self, on: bool = True, capture: bool = True) -> None:
+        """Replay a lone sequence's decode and verify forwards as CUDA graphs, over caches this model lends
+        (`new_cache`). `capture=False` runs the same static-buffer forwards eagerly (a check on the CPU)."""
+        if not on:
+            self.graphs = None
+        elif capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
+        elif self.graphs is None or self.graphs.capture != capture:
+            self.graphs = GraphedForwards(self, capture)
 
     @property
     def dtype(self) -> torch.dtype:  # of activations and the KV cache (the embedding may be in blocks)
@@ -355,7 +375,11 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, lend: bool = True) -> KVCache:
+        """A cache for `batch` rows of `max_len` slots; with graphs on, a lone sequence's is one of the caches
+        the graphs know (larger than asked: it never grows)."""
+        if lend and self.graphs is not None and batch == 1 and (cache := self.graphs.new_cache(max_len)) is not None:
+            return cache
         c = self.config
         return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device)
 
@@ -384,6 +408,8 @@ class Transformer(nn.Module):
         """One forward over several sequences' new tokens -> per part (logits [t - logits_from, vocab],
         hidden [t, d (+ features)]). Keys and values go into each part's own cache; the callers advance the
         lengths. Each part attends in its own mode (`Part.decode`)."""
+        if self.graphs is not None and len(parts) == 1 and (out := self.graphs.run(parts[0], feature_layers)):
+            return [out]
         segments, begin = [], 0
         for part in parts:
             t, start = part.tokens.numel(), part.cache.length
@@ -412,6 +438,17 @@ class Transformer(nn.Module):
             out.append((logits[at : at + count], hidden[seg.begin : seg.end]))
             at += count
         return out
+
+    def static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
+                       mask: torch.Tensor, cache: KVCache, last: torch.Tensor | None,
+                       feature_layers: tuple[int, ...], mask_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's forward in fixed shapes, with no host sync (what a CUDA graph captures): tokens,
+        positions, write_pos [R] (write_pos on the device, not read from cache.length), mask [R, S] over cache
+        slots [0, S), one attention call (`mask_rows`: one per row) -> (logits [R, vocab], or [1, vocab] of row `last` [1]; hidden [R, ...])."""
+        seg = Segment(0, tokens.numel(), cache, write_pos, mask[None, None], None, mask_rows)
+        hidden = self._layers(tokens[None], positions[None], [seg], feature_layers)[0]
+        final = hidden if last is None else hidden.index_select(0, last)
+        return self.lm_head(final[None, :, : self.config.hidden_size])[0].float(), hidden
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 feature_layers: tuple[int, ...]) -> torch.Tensor:

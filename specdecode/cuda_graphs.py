@@ -1,0 +1,178 @@
+"""A lone sequence's decode and verify forwards replayed as CUDA graphs.
+
+On a GPU an eager forward of a small batch spends most of its time launching kernels from Python: an 8B-shaped
+target took 32 ms a token eager and 8.5 ms replayed as a CUDA graph on an H100 (BENCHMARKS.md). A graph fixes
+every tensor's address and shape, so a forward is captured once per shape and replayed with its inputs copied
+into static buffers:
+- rows are padded to a power of two (1 ... 64): a draft of 5 nodes runs the 8-row graph;
+- attention reads the cache up to a power of two of slots (256 ... the cache's length) under a mask, not up to
+  the sequence's length, which changes every step;
+- the cache is one of a few the model lends (`new_cache`), kept for the process, so a graph captured for one
+  request serves the next.
+Padded rows attend to slot 0 and write their keys past the sequence's valid slots, which the next step
+overwrites. Forwards that do not fit (several sequences at once, a prompt, more than 64 rows, a cache not lent
+by the model) run eagerly, as before.
+
+`capture=False` runs the same static-buffer forwards without graphs: what a CPU-only test can check.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.kv_cache import KVCache
+
+MAX_ROWS = 64  # rows of the largest graph; a forward of more runs eagerly
+MIN_SLOTS = 256  # the narrowest attention window a graph reads
+LENT_CACHES = 2  # caches a model lends at once: a lone request's, and its successor's while the first is freed
+MAX_GRAPHS = 96  # captures per model; a shape beyond them runs eagerly
+WARMUPS = 2  # eager runs on a side stream before a capture (cuBLAS and the allocator settle), as PyTorch asks
+
+
+def graphs_wanted() -> bool:
+    """CUDA graphs are on unless SPECDECODE_CUDA_GRAPHS=0."""
+    return os.environ.get("SPECDECODE_CUDA_GRAPHS", "1") != "0"
+
+
+def rows_apart() -> bool:
+    """SPECDECODE_GRAPH_ROWS=1: attention one row at a time in the graphs (a verify row's attention then matches a
+    one-token forward's in bfloat16; what it costs is in BENCHMARKS.md)."""
+    return os.environ.get("SPECDECODE_GRAPH_ROWS", "0") == "1"
+
+
+def bucket(n: int, low: int = 1) -> int:
+    """The smallest power of two >= max(n, low)."""
+    return 1 << (max(n, low) - 1).bit_length()
+
+
+@dataclass
+class Captured:
+    """One shape's static inputs, its outputs (refilled at every replay) and its graph (None: run eagerly)."""
+
+    tokens: torch.Tensor  # [rows]
+    positions: torch.Tensor  # [rows]
+    start: torch.Tensor  # [1]: the cache's length, where row 0 writes
+    mask: torch.Tensor  # [rows, slots] bool
+    last: torch.Tensor  # [1]: the row whose logits a last-row graph computes
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    graph: object | None = None
+
+
+class GraphedForwards:
+    """The graphs of one model, and the caches they write into."""
+
+    def __init__(self, model: torch.nn.Module, capture: bool = True, cache_len: int | None = None) -> None:
+        self.model = model
+        self.capture = capture
+        self.mask_rows = rows_apart()
+        self.cache_len = cache_len or min(model.max_context, 8192)
+        self.free: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.owned: set[int] = set()  # id() of the key buffer of every cache made here (a grown cache has new ones)
+        self.shapes: dict[tuple, Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.stream = torch.cuda.Stream() if capture else None
+
+    # --- caches ----------------------------------------------------------------------------------------------
+
+    def new_cache(self, max_len: int) -> KVCache | None:
+        """A cache of `cache_len` slots whose buffers the graphs know, or None (too long, or all lent)."""
+        if max_len > self.cache_len:
+            return None
+        if self.free:
+            k, v = self.free.pop()
+        elif len(self.owned) < LENT_CACHES:
+            fresh = self.model.new_cache(1, self.cache_len, lend=False)
+            k, v = fresh.k, fresh.v
+            self.owned.add(id(k))
+        else:
+            return None
+        cache = KVCache.over(k, v)
+        # Back to the free list when the cache object goes (its sequence or drafter ended).
+        weakref.finalize(cache, self.free.append, (k, v))
+        return cache
+
+    def knows(self, cache: KVCache) -> bool:
+        return id(cache.k) in self.owned
+
+    # --- forwards --------------------------------------------------------------------------------------------
+
+    def run(self, part, feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`part`'s forward through a graph -> (logits, hidden) as `forward_parts` gives them, or None where it
+        must run eagerly."""
+        count, cache = part.tokens.numel(), part.cache
+        if not part.decode or count > MAX_ROWS or not self.knows(cache) or torch.is_grad_enabled():
+            return None
+        rows = bucket(count)
+        start = cache.length
+        if start + rows > cache.max_len:
+            return None
+        slots = min(bucket(start + rows, MIN_SLOTS), cache.max_len)
+        last_only = count > 1 and part.logits_from == count - 1
+        key = (id(cache.k), rows, slots, last_only, tuple(feature_layers))
+        shape = self.shapes.get(key)
+        if shape is None:
+            if len(self.shapes) >= MAX_GRAPHS:
+                return None
+            shape = self.shapes[key] = self._static(rows, slots)
+        self._fill(shape, part, count, start)
+        if shape.graph is not None:
+            shape.graph.replay()
+        elif self.capture:
+            self._capture(shape, cache, slots, last_only, feature_layers)
+            shape.graph.replay()
+        else:
+            self._forward(shape, cache, slots, last_only, feature_layers)
+        # Copies: the next replay of this graph overwrites its outputs, and a sequence may keep its hidden states.
+        logits = shape.logits if last_only else shape.logits[part.logits_from : count]
+        return logits.clone(), shape.hidden[:count].clone()
+
+    def _static(self, rows: int, slots: int) -> Captured:
+        device = self.model.device
+        zeros = lambda *size: torch.zeros(*size, dtype=torch.long, device=device)  # noqa: E731
+        return Captured(zeros(rows), zeros(rows), zeros(1), torch.zeros(rows, slots, dtype=torch.bool, device=device),
+                        zeros(1))
+
+    def _fill(self, shape: Captured, part, count: int, start: int) -> None:
+        """The part's rows into the static inputs; padded rows keep stale tokens and positions (any are valid)."""
+        shape.tokens[:count].copy_(part.tokens)
+        shape.positions[:count].copy_(part.positions)
+        shape.start.fill_(start)
+        shape.last.fill_(count - 1)
+        rows, slots = shape.mask.shape
+        from specdecode.model import row_slots
+
+        given = part.rows if part.rows is not None else row_slots(part.mask())
+        spans = torch.tensor(given.spans + [1] * (rows - count))  # a padded row sees slot 0
+        mask = torch.arange(slots)[None, :] < spans[:, None]
+        for t, extra in enumerate(given.extras):
+            if extra:
+                mask[t, extra] = True
+        shape.mask.copy_(mask)
+
+    def _forward(self, shape: Captured, cache: KVCache, slots: int, last_only: bool,
+                 feature_layers: tuple[int, ...]) -> None:
+        """The forward over the static inputs; its outputs become the shape's (what a capture records)."""
+        rows = shape.tokens.numel()
+        write_pos = shape.start + torch.arange(rows, device=shape.start.device)
+        shape.logits, shape.hidden = self.model.static_forward(
+            shape.tokens, shape.positions, write_pos, shape.mask, cache, shape.last if last_only else None,
+            feature_layers, self.mask_rows)
+
+    def _capture(self, shape: Captured, cache: KVCache, slots: int, last_only: bool,
+                 feature_layers: tuple[int, ...]) -> None:
+        # Warm-ups write the same keys and values the replay will: into slots past the valid ones.
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for _ in range(WARMUPS):
+                self._forward(shape, cache, slots, last_only, feature_layers)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        # One pool for a model's graphs: they replay one at a time, and each replay's outputs are copied at once.
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._forward(shape, cache, slots, last_only, feature_layers)
+        shape.graph = graph
