@@ -558,8 +558,54 @@ def graphs(args, device) -> dict:
     return out
 
 
+def compiled(args, device) -> dict:
+    """What torch.compile would buy the graphs: the engine's static-buffer forward (Transformer.static_forward, what
+    cuda_graphs.py captures) as written and compiled by torch.compile, each captured as a CUDA graph and replayed,
+    at M rows (padded shapes: M = 1 and 8), attention over 256 cache slots. Compile seconds are reported too."""
+    if device.type != "cuda" and not args.small:
+        return {"skipped": "a CUDA device"}
+    shape = TOY if args.small else dict(LLAMA_8B, num_hidden_layers=args.compile_layers)  # compile time: layers
+    model = random_model(shape, torch.bfloat16, device, seed=3)
+    prompt_len, vocab, slots = 128, model.config.vocab_size, 256
+    cache = model.new_cache(1, 512)
+    out = {"layers": model.config.num_layers, "bytes_per_token_gb": round(read_bytes_per_token(model) / 1e9, 3)}
+    with torch.inference_mode():
+        prefill(model, cache, torch.randint(0, vocab, (prompt_len,), device=device))
+        compiled_fn = torch.compile(model.static_forward)
+        for m in (1, 8):
+            tokens = torch.randint(0, vocab, (m,), device=device)
+            positions = torch.arange(prompt_len, prompt_len + m, device=device)
+            write_pos = positions.clone()
+            mask = torch.arange(slots, device=device)[None] <= positions[:, None]
+            for name, fn in (("as written", model.static_forward), ("torch.compile", compiled_fn)):
+                call = lambda: fn(tokens, positions, write_pos, mask, cache, None, ())  # noqa: E731
+                began = time.perf_counter()
+                call()
+                sync(device)
+                out[f"{name}/M={m}/first_call_s"] = round(time.perf_counter() - began, 2)
+                if device.type != "cuda":
+                    out[f"{name}/M={m}/ms"] = round(timed(call, device, 3) * 1000, 3)
+                    continue
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        call()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    call()
+
+                def replay(n=10):
+                    for _ in range(n):
+                        graph.replay()
+                out[f"{name}/M={m}/graph_ms"] = round(timed(replay, device, 5) / 10 * 1000, 3)
+                del graph
+    return out
+
+
 SECTIONS = {"graphs": graphs, "machine": machine, "parity": parity, "rows": rows, "engine": engine, "speed": speed,
-            "engine_speed": engine_speed}
+            "engine_speed": engine_speed, "compiled": compiled}
 
 
 def main() -> None:
@@ -573,6 +619,7 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,graphs", help="engine sections: eager, graphs, graphs-rows")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="engine section")
     ap.add_argument("--speed-dtype", default="bfloat16", help="engine_speed section")
+    ap.add_argument("--compile-layers", type=int, default=8, help="compiled section: an 8B-shaped model's layers")
     args = ap.parse_args()
     device = torch.device(args.device)
     args.machine = {}
