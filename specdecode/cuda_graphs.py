@@ -123,10 +123,10 @@ class GraphedForwards:
         if shape.graph is not None:
             shape.graph.replay()
         elif self.capture:
-            self._capture(shape, cache, slots, last_only, feature_layers)
+            self._capture(shape, cache, last_only, feature_layers)
             shape.graph.replay()
         else:
-            self._forward(shape, cache, slots, last_only, feature_layers)
+            self._forward(shape, cache, last_only, feature_layers)
         # Copies: the next replay of this graph overwrites its outputs, and a sequence may keep its hidden states.
         logits = shape.logits if last_only else shape.logits[part.logits_from : count]
         return logits.clone(), shape.hidden[:count].clone()
@@ -143,9 +143,9 @@ class GraphedForwards:
         shape.positions[:count].copy_(part.positions)
         shape.start.fill_(start)
         shape.last.fill_(count - 1)
-        rows, slots = shape.mask.shape
-        from specdecode.model import row_slots
+        from specdecode.model import row_slots  # here: model.py imports this module
 
+        rows, slots = shape.mask.shape
         given = part.rows if part.rows is not None else row_slots(part.mask())
         spans = torch.tensor(given.spans + [1] * (rows - count))  # a padded row sees slot 0
         mask = torch.arange(slots)[None, :] < spans[:, None]
@@ -154,7 +154,7 @@ class GraphedForwards:
                 mask[t, extra] = True
         shape.mask.copy_(mask)
 
-    def _forward(self, shape: Captured, cache: KVCache, slots: int, last_only: bool,
+    def _forward(self, shape: Captured, cache: KVCache, last_only: bool,
                  feature_layers: tuple[int, ...]) -> None:
         """The forward over the static inputs; its outputs become the shape's (what a capture records)."""
         rows = shape.tokens.numel()
@@ -163,16 +163,16 @@ class GraphedForwards:
             shape.tokens, shape.positions, write_pos, shape.mask, cache, shape.last if last_only else None,
             feature_layers, self.mask_rows)
 
-    def _capture(self, shape: Captured, cache: KVCache, slots: int, last_only: bool,
+    def _capture(self, shape: Captured, cache: KVCache, last_only: bool,
                  feature_layers: tuple[int, ...]) -> None:
         # Warm-ups write the same keys and values the replay will: into slots past the valid ones.
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(WARMUPS):
-                self._forward(shape, cache, slots, last_only, feature_layers)
+                self._forward(shape, cache, last_only, feature_layers)
         torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         # One pool for a model's graphs: they replay one at a time, and each replay's outputs are copied at once.
         with torch.cuda.graph(graph, pool=self.pool):
-            self._forward(shape, cache, slots, last_only, feature_layers)
+            self._forward(shape, cache, last_only, feature_layers)
         shape.graph = graph

@@ -31,11 +31,11 @@ import torch
 
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
+from specdecode.cuda_graphs import graphs_wanted
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.lockstep import run_batched
 from specdecode.errors import SpecdecodeError
 from specdecode.kv_cache import KVCache, bytes_per_token
-from specdecode.cuda_graphs import graphs_wanted
 from specdecode.model import Part, Transformer, prompt_as_decode_rows, rows_exact
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.planner import MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, Planner
