@@ -9,6 +9,7 @@ into static buffers:
   the sequence's length, which changes every step;
 - the cache is one of a few the model lends (`new_cache`), kept for the process, so a graph captured for one
   request serves the next.
+The graphs are captured again if the model's weights move or a layer is replaced (their addresses are baked in).
 Padded rows attend to slot 0 and write their keys past the sequence's valid slots, which the next step
 overwrites. Forwards that do not fit (several sequences at once, a prompt, more than 64 rows, a cache not lent
 by the model) run eagerly, as before.
@@ -39,8 +40,8 @@ def graphs_wanted() -> bool:
 
 
 def rows_apart() -> bool:
-    """SPECDECODE_GRAPH_ROWS=1: attention one row at a time in the graphs (a verify row's attention then matches a
-    one-token forward's in bfloat16; what it costs is in BENCHMARKS.md)."""
+    """SPECDECODE_GRAPH_ROWS=1: attention one row at a time in the graphs (a verify row's attention is then the
+    one-token forward's wherever both read the same window; what it costs is in BENCHMARKS.md)."""
     return os.environ.get("SPECDECODE_GRAPH_ROWS", "0") == "1"
 
 
@@ -70,12 +71,16 @@ class GraphedForwards:
         self.model = model
         self.capture = capture
         self.mask_rows = rows_apart()
-        self.cache_len = cache_len or min(model.max_context, 8192)
+        self.cache_len = min(cache_len or 8192, model.max_context)
         self.free: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.owned: set[int] = set()  # id() of the key buffer of every cache made here (a grown cache has new ones)
         self.shapes: dict[tuple, Captured] = {}
+        self.weights: tuple = ()  # where the model's parameters were when the shapes were captured
+        self.edits = -1  # module_edits.count then
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.stream = torch.cuda.Stream() if capture else None
+        if capture:
+            with torch.cuda.device(model.device):
+                self.stream = torch.cuda.Stream()
 
     # --- caches ----------------------------------------------------------------------------------------------
 
@@ -86,7 +91,8 @@ class GraphedForwards:
         if self.free:
             k, v = self.free.pop()
         elif len(self.owned) < LENT_CACHES:
-            fresh = self.model.new_cache(1, self.cache_len, lend=False)
+            with torch.inference_mode(False):  # plain tensors: a buffer lent again may be written outside that mode
+                fresh = self.model.new_cache(1, self.cache_len, lend=False)
             k, v = fresh.k, fresh.v
             self.owned.add(id(k))
         else:
@@ -113,6 +119,7 @@ class GraphedForwards:
             return None
         slots = min(bucket(start + rows, MIN_SLOTS), cache.max_len)
         last_only = count > 1 and part.logits_from == count - 1
+        self._check_weights()
         key = (id(cache.k), rows, slots, last_only, tuple(feature_layers))
         shape = self.shapes.get(key)
         if shape is None:
@@ -123,7 +130,11 @@ class GraphedForwards:
         if shape.graph is not None:
             shape.graph.replay()
         elif self.capture:
-            self._capture(shape, cache, last_only, feature_layers)
+            try:
+                self._capture(shape, cache, last_only, feature_layers)
+            except BaseException:
+                del self.shapes[key]  # not left half-made: the next forward of this shape captures afresh
+                raise
             shape.graph.replay()
         else:
             self._forward(shape, cache, last_only, feature_layers)
@@ -131,11 +142,27 @@ class GraphedForwards:
         logits = shape.logits if last_only else shape.logits[part.logits_from : count]
         return logits.clone(), shape.hidden[:count].clone()
 
+    def _check_weights(self) -> None:
+        """Drop every shape if the model's parameters moved (`.to()`, a layer replaced): a graph replays the
+        addresses it was captured with. Compared in full only after a module was assigned somewhere or one of two
+        sentinels moved, which is cheap to see."""
+        from specdecode.model import module_edits  # here: model.py imports this module
+
+        sentinels = (self.model.lm_head.weight.data_ptr(), self.model.model.norm.weight.data_ptr())
+        if self.edits == module_edits.count and self.weights[:2] == sentinels:
+            return
+        weights = sentinels + tuple(p.data_ptr() for p in self.model.parameters())
+        if weights != self.weights:
+            self.shapes.clear()
+            self.weights = weights
+        self.edits = module_edits.count
+
     def _static(self, rows: int, slots: int) -> Captured:
         device = self.model.device
         zeros = lambda *size: torch.zeros(*size, dtype=torch.long, device=device)  # noqa: E731
-        return Captured(zeros(rows), zeros(rows), zeros(1), torch.zeros(rows, slots, dtype=torch.bool, device=device),
-                        zeros(1))
+        with torch.inference_mode(False):  # plain tensors: filled in whatever mode the next forward runs
+            return Captured(zeros(rows), zeros(rows), zeros(1),
+                            torch.zeros(rows, slots, dtype=torch.bool, device=device), zeros(1))
 
     def _fill(self, shape: Captured, part, count: int, start: int) -> None:
         """The part's rows into the static inputs; padded rows keep stale tokens and positions (any are valid)."""
@@ -165,14 +192,15 @@ class GraphedForwards:
 
     def _capture(self, shape: Captured, cache: KVCache, last_only: bool,
                  feature_layers: tuple[int, ...]) -> None:
-        # Warm-ups write the same keys and values the replay will: into slots past the valid ones.
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            for _ in range(WARMUPS):
+        with torch.cuda.device(self.model.device):
+            # Warm-ups write the same keys and values the replay will: into slots past the valid ones.
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                for _ in range(WARMUPS):
+                    self._forward(shape, cache, last_only, feature_layers)
+            torch.cuda.current_stream().wait_stream(self.stream)
+            graph = torch.cuda.CUDAGraph()
+            # One pool for a model's graphs: they replay one at a time, and each replay's outputs are copied at once.
+            with torch.cuda.graph(graph, pool=self.pool):
                 self._forward(shape, cache, last_only, feature_layers)
-        torch.cuda.current_stream().wait_stream(self.stream)
-        graph = torch.cuda.CUDAGraph()
-        # One pool for a model's graphs: they replay one at a time, and each replay's outputs are copied at once.
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._forward(shape, cache, last_only, feature_layers)
         shape.graph = graph

@@ -90,7 +90,7 @@ class Engine:
         if graphs_wanted():  # on a GPU a lone request's forwards replay as CUDA graphs: launches cost the most there
             for model in (target, drafter.forward_model):
                 if isinstance(model, Transformer) and model.device.type == "cuda":
-                    model.use_graphs()
+                    model.use_graphs(cache_len=self.max_len)
 
     def set_limits(self, max_running: int, kv_budget_tokens: int | None = None) -> None:
         self.max_running = max_running

@@ -357,15 +357,17 @@ class Transformer(nn.Module):
         self._native_edits = -1  # module_edits.count when the linear modules were last compared
         self.graphs: GraphedForwards | None = None  # a lone sequence's decode forwards as CUDA graphs (cuda_graphs.py)
 
-    def use_graphs(self, on: bool = True, capture: bool = True) -> None:
+    def use_graphs(self, on: bool = True, capture: bool = True, cache_len: int | None = None) -> None:
         """Replay a lone sequence's decode and verify forwards as CUDA graphs, over caches this model lends
-        (`new_cache`). `capture=False` runs the same static-buffer forwards eagerly (a check on the CPU)."""
+        (`new_cache`, `cache_len` slots each: an engine's context window). `capture=False` runs the same
+        static-buffer forwards eagerly (a check on the CPU)."""
         if not on:
             self.graphs = None
         elif capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
-        elif self.graphs is None or self.graphs.capture != capture:
-            self.graphs = GraphedForwards(self, capture)
+        elif (self.graphs is None or self.graphs.capture != capture
+              or cache_len is not None and self.graphs.cache_len != min(cache_len, self.max_context)):
+            self.graphs = GraphedForwards(self, capture, cache_len)
 
     @property
     def dtype(self) -> torch.dtype:  # of activations and the KV cache (the embedding may be in blocks)

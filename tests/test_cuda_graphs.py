@@ -95,6 +95,25 @@ def test_greedy_is_token_identical_through_the_static_forwards():
             model.use_graphs(False)
 
 
+def test_windows_wider_than_the_first_and_a_forward_past_the_cache_run_alike():
+    target = tiny_native("qwen2", seed=0, max_position_embeddings=2048)
+    prompt = [(7 * i) % 60 + 1 for i in range(300)]  # the window passes 256, then 512
+    params = SamplingParams(max_new_tokens=240)
+    reference = [t for step in Engine(target, NoDrafter()).generate(prompt, params) for t in step.tokens]
+    target.use_graphs(capture=False)
+    engine = Engine(target, DraftModelDrafter(target, vocab_size=64), num_draft_tokens=6)
+    assert [t for step in engine.generate(prompt, params) for t in step.tokens] == reference
+    assert {key[2] for key in target.graphs.shapes} >= {512, 1024}  # the windows the graphs read
+    del engine  # its request's cache, and its self-draft's, go back
+    gc.collect()
+    cache = target.new_cache(1, 64)
+    assert target.graphs.knows(cache)
+    with torch.inference_mode():
+        assert target.graphs.run(chain_part(torch.tensor([1, 2, 3]), cache), ()) is not None
+        cache.truncate(cache.max_len - 2)
+        assert target.graphs.run(chain_part(torch.tensor([1, 2, 3]), cache), ()) is None  # 4 rows would not fit
+
+
 def test_lent_caches_come_back_and_a_grown_one_runs_eagerly():
     model = tiny_native("qwen2", seed=0)
     model.use_graphs(capture=False)
@@ -129,3 +148,21 @@ def test_greedy_is_token_identical_replayed_as_cuda_graphs(monkeypatch):
         assert target.graphs.shapes and all(s.graph is not None for s in target.graphs.shapes.values()), name
         if drafter.forward_model is not None and drafter.forward_model is not target:
             assert drafter.forward_model.graphs.shapes, name
+
+
+def test_shapes_are_made_again_when_the_weights_move_and_buffers_serve_any_grad_mode():
+    model = tiny_native("qwen2", seed=0)
+    model.use_graphs(capture=False)
+    with torch.inference_mode():  # buffers first made here (as in an engine's step) ...
+        cache = model.new_cache(1, 64)
+        first = model.forward_parts([chain_part(torch.tensor([1, 2, 3]), cache)])[0][0]
+    assert model.graphs.shapes
+    with torch.no_grad():  # ... still written outside it
+        cache.truncate(0)
+        again = model.forward_parts([chain_part(torch.tensor([1, 2, 3]), cache)])[0][0]
+        torch.testing.assert_close(again, first)
+        model.lm_head.weight.data = model.lm_head.weight.data * 2  # new storage: a graph would read the old one
+        cache.truncate(0)
+        doubled = model.forward_parts([chain_part(torch.tensor([1, 2, 3]), cache)])[0][0]
+    assert len(model.graphs.shapes) == 1  # the old shape dropped, this forward's made
+    torch.testing.assert_close(doubled, first * 2)
