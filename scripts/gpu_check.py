@@ -13,10 +13,14 @@ Sections:
 - `rows`: how often a bfloat16 (k+1)-row verify forward's argmax differs from one-token forwards', and at what
   top-2 logit margins (both attention paths: one attention call, and one call per row).
 - `engine`: greedy output of every method against `none` through the engine, float32 and bfloat16, with the
-  target as its own draft model (every guess should be accepted where rows agree).
+  target as its own draft model (every guess should be accepted where rows agree): eager, and with the engine's
+  CUDA graphs (`--modes eager,graphs,graphs-rows`).
 - `speed`: a Llama-3-8B-shaped bfloat16 target: one-token decode against the roofline, eager and replayed as a
   CUDA graph; the verify cost curve M = 1..64; a free drafter right with probability 0.8 per token, at the
   forward level and through the engine; a 1B-shaped draft model's decode time.
+- `engine_speed`: the 8B-shaped target through the engine in each of `--modes`: `none`, that drafter at 4, 8 and
+  16 tokens, and a 1B-shaped draft model.
+- `compiled`: the graphs' static forward as written and compiled by torch.compile, each replayed as a graph.
 """
 
 from __future__ import annotations
