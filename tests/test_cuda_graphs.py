@@ -166,3 +166,32 @@ def test_shapes_are_made_again_when_the_weights_move_and_buffers_serve_any_grad_
         doubled = model.forward_parts([chain_part(torch.tensor([1, 2, 3]), cache)])[0][0]
     assert len(model.graphs.shapes) == 1  # the old shape dropped, this forward's made
     torch.testing.assert_close(doubled, first * 2)
+
+
+def test_requests_served_together_and_then_alone_give_their_alone_tokens():
+    target = tiny_native("qwen2", seed=0)
+    long, short = SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=5)
+    alone = {n: run_prompt(Engine(target, NoDrafter()), PROMPT[:n], p) for n, p in ((13, long), (12, short))}
+    target.use_graphs(capture=False)
+    engine = Engine(target, NgramDrafter(), num_draft_tokens=4)
+    first, second = engine.add(PROMPT, long), engine.add(PROMPT[:-1], short)
+    assert target.graphs.knows(first.cache) and target.graphs.knows(second.cache)
+    while engine.running:  # together (each step one ragged forward, eager), then the first alone (graphs)
+        engine.step()
+    assert first.tokens[13:] == alone[13] and second.tokens[12:] == alone[12]
+    assert target.graphs.shapes
+
+
+def test_a_seeded_sampled_tree_draws_the_same_tokens_through_the_static_forwards():
+    target, draft = tiny_native("qwen2", seed=0), tiny_native("qwen2", seed=1)
+    params = SamplingParams(max_new_tokens=30, temperature=0.8, seed=3)
+    drafter = lambda: DraftModelDrafter(draft, vocab_size=64, width=3, expand=1)  # noqa: E731
+    eager = run_prompt(Engine(target, drafter(), num_draft_tokens=6), PROMPT, params)
+    target.use_graphs(capture=False)
+    draft.use_graphs(capture=False)
+    assert run_prompt(Engine(target, drafter(), num_draft_tokens=6), PROMPT, params) == eager
+    assert target.graphs.shapes and draft.graphs.shapes
+
+
+def run_prompt(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [t for step in engine.generate(prompt, params) for t in step.tokens]
