@@ -170,15 +170,13 @@ class GraphedForwards:
         shape.positions[:count].copy_(part.positions)
         shape.start.fill_(start)
         shape.last.fill_(count - 1)
-        from specdecode.model import row_slots  # here: model.py imports this module
+        from specdecode.model import row_slots, rows_mask  # here: model.py imports this module
 
         rows, slots = shape.mask.shape
-        given = part.rows if part.rows is not None else row_slots(part.mask())
-        spans = torch.tensor(given.spans + [1] * (rows - count))  # a padded row sees slot 0
-        mask = torch.arange(slots)[None, :] < spans[:, None]
-        for t, extra in enumerate(given.extras):
-            if extra:
-                mask[t, extra] = True
+        given = rows_mask(part.rows if part.rows is not None else row_slots(part.mask()))[0, 0]  # [count, <= slots]
+        mask = torch.zeros(rows, slots, dtype=torch.bool)
+        mask[:count, : given.shape[1]] = given
+        mask[count:, 0] = True  # a padded row sees slot 0
         shape.mask.copy_(mask)
 
     def _forward(self, shape: Captured, cache: KVCache, last_only: bool,

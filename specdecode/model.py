@@ -242,18 +242,15 @@ class Attention(nn.Module):
             k = k * cos + rotate_half(k) * sin
             k_cache.index_copy_(2, write_pos, k)
             v_cache.index_copy_(2, write_pos, v)
-        if rows is None and seg.mask_rows:  # per row, as a one-row forward with the same mask width computes it
-            span = attn_mask.shape[-1]
-            return torch.cat([
-                F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, :span], v_cache[:, :, :span],
-                                               attn_mask=attn_mask[:, :, j : j + 1], enable_gqa=True)
-                for j in range(q.shape[2])
-            ], dim=2)  # fmt: skip
         if rows is None:
-            span = attn_mask.shape[-1]
-            return F.scaled_dot_product_attention(
-                q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=attn_mask, enable_gqa=True
-            )  # [B, H, T, hd]
+            keys, values = k_cache[:, :, : attn_mask.shape[-1]], v_cache[:, :, : attn_mask.shape[-1]]
+            if seg.mask_rows:  # per row, as a one-row forward with the same mask width computes it
+                return torch.cat([
+                    F.scaled_dot_product_attention(q[:, :, j : j + 1], keys, values,
+                                                   attn_mask=attn_mask[:, :, j : j + 1], enable_gqa=True)
+                    for j in range(q.shape[2])
+                ], dim=2)  # fmt: skip
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=True)  # [B,H,T,hd]
         if (kernels := cpu_kernels() if q.device.type == "cpu" and self.head_dim % 8 == 0 else None) is not None:
             # Each row by one fixed sequence of operations whatever T is: rows agree bit for bit with T = 1.
             out = kernels.decode_attention(q.float().contiguous(), k_cache, v_cache, rows.spans, rows.extras)
@@ -446,7 +443,8 @@ class Transformer(nn.Module):
                        feature_layers: tuple[int, ...], mask_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's forward in fixed shapes, with no host sync (what a CUDA graph captures): tokens,
         positions, write_pos [R] (write_pos on the device, not read from cache.length), mask [R, S] over cache
-        slots [0, S), one attention call (`mask_rows`: one per row) -> (logits [R, vocab], or [1, vocab] of row `last` [1]; hidden [R, ...])."""
+        slots [0, S), one attention call (`mask_rows`: one per row) -> (logits [R, vocab], or [1, vocab] of row
+        `last` [1]; hidden [R, ...])."""
         seg = Segment(0, tokens.numel(), cache, write_pos, mask[None, None], None, mask_rows)
         hidden = self._layers(tokens[None], positions[None], [seg], feature_layers)[0]
         final = hidden if last is None else hidden.index_select(0, last)
