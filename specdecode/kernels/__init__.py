@@ -29,7 +29,7 @@ from specdecode.errors import SpecdecodeError
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "activation_cpu.cpp", "argmax_cpu.cpp", "sample_cpu.cpp", "layer_cpu.cpp", "bindings.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "layer_cpu.h", "team_cpu.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "layer_cpu.h", "team_cpu.h", "aten_lite.h")]
 
 
 def cpuinfo_field(name: str) -> str:
@@ -85,7 +85,10 @@ def build_key() -> tuple[str, list[str]]:
     arch = os.environ.get("SPECDECODE_CPU_ARCH", "native")
     flags = [f"-march={arch}", "-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp",
              f"-DSPECDECODE_PREFETCH_HINT=_MM_HINT_{prefetch_hint().upper()}"]
-    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {cpu_flags()}".encode()
+    # The sources' folder too: ninja rebuilds whenever the paths in its build file change, so two checkouts sharing
+    # one build folder would rebuild each other's kernels in turn.
+    where = Path(__file__).parent.resolve()
+    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {cpu_flags()} {where}".encode()
     return hashlib.sha256(text).hexdigest()[:12], flags
 
 
@@ -108,7 +111,7 @@ def cpu_kernels() -> ModuleType | None:
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
-        print("specdecode: building the native CPU kernels for this machine (once, 1-3 minutes)...", file=sys.stderr)
+        print("specdecode: building the native CPU kernels for this machine (once, 1-2 minutes)...", file=sys.stderr)
     try:
         with build_lock(build):
             return cpp_extension.load(

@@ -2,7 +2,7 @@
 // gate and up as soon as a thread has computed both, and model.py's loop calls the same function on the CPU, so
 // the two give the same bits. Each value by one fixed sequence of operations, lane by lane: a row's values never
 // depend on the other rows or on which thread computes them.
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -30,8 +30,8 @@ void silu_mul_rows(float* g, const float* u, int64_t M, int64_t N, int64_t c0, i
     }
 }
 
-torch::Tensor silu_mul_(torch::Tensor& g, const torch::Tensor& u) {
-  TORCH_CHECK(g.scalar_type() == torch::kFloat32 && u.scalar_type() == torch::kFloat32 && g.is_contiguous() &&
+at::Tensor silu_mul_(at::Tensor& g, const at::Tensor& u) {
+  TORCH_CHECK(g.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat && g.is_contiguous() &&
                   u.is_contiguous() && g.sizes() == u.sizes(),
               "silu_mul_: g and u contiguous float32 of one shape");
   const int64_t N = g.size(-1), M = g.numel() / std::max<int64_t>(N, 1);

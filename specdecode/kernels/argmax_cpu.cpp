@@ -3,7 +3,7 @@
 // 152k vocabulary, every step). Here a row is read twice at the speed of its cache: its largest value (several
 // independent chains), then the first index holding it. Same answer as torch: the first index on ties. A row holding
 // a NaN answers -1, and the caller asks torch (which counts NaN as the largest).
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -46,8 +46,8 @@ float exp_sum(const float* row, int64_t V, float top) {
   return total;
 }
 
-void check_rows(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, V] float32");
+void check_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, V] float32");
   TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t(1) << 31), "rows must hold 1 to 2^31 - 1 values");
 }
 
@@ -67,10 +67,10 @@ struct ShareMax {
 
 }  // namespace
 
-torch::Tensor argmax_rows(const torch::Tensor& x) {
+at::Tensor argmax_rows(const at::Tensor& x) {
   check_rows(x);
   const int64_t M = x.size(0), V = x.size(1), S = shares_of(V), width = (V + S - 1) / S;
-  auto out = torch::empty({M}, x.options().dtype(torch::kInt64));
+  auto out = at::empty({M}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   std::vector<ShareMax> share(M * S);
@@ -102,13 +102,13 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 // softmax and topk over a 32k head take ~120 us a row; k = 1 is a chain's child). Each share of the columns keeps
 // its own k best and its exp sum against its own maximum; the shares merge in column order. Index -1 (and
 // probability 0) where a row has a NaN or fewer than k values above -inf; the caller then asks torch.
-std::vector<torch::Tensor> topk_probs(const torch::Tensor& x, int64_t k) {
+std::vector<at::Tensor> topk_probs(const at::Tensor& x, int64_t k) {
   check_rows(x);
   const int64_t M = x.size(0), V = x.size(1);
   TORCH_CHECK(k >= 1 && k <= V, "k must be in [1, vocabulary]");
   const int64_t S = shares_of(V), width = (V + S - 1) / S;
-  auto index = torch::full({M, k}, -1, x.options().dtype(torch::kInt64));
-  auto prob = torch::zeros({M, k}, x.options());
+  auto index = at::full({M, k}, -1, x.options().dtype(at::kLong));
+  auto prob = at::zeros({M, k}, x.options());
   const float* xp = x.data_ptr<float>();
   std::vector<float> top(M * S * k, -INFINITY), share_max(M * S), share_sum(M * S);
   std::vector<int64_t> at(M * S * k, -1);
@@ -184,7 +184,7 @@ std::vector<torch::Tensor> topk_probs(const torch::Tensor& x, int64_t k) {
 
 // Each row's argmax and the softmax probability of it, 1 / sum(exp(x - max)): what a greedy chain drafter keeps of
 // a draft forward's logits, without a softmax over the whole row. A row with a NaN: index -1, probability NaN.
-std::vector<torch::Tensor> top1_probs(const torch::Tensor& x) {
+std::vector<at::Tensor> top1_probs(const at::Tensor& x) {
   auto both = topk_probs(x, 1);
   auto index = both[0].view({-1}), prob = both[1].view({-1});
   int64_t* ip = index.data_ptr<int64_t>();
@@ -203,10 +203,10 @@ std::vector<torch::Tensor> top1_probs(const torch::Tensor& x) {
 // A grammar's token bitmask applied to logits in place: bit j of word w of a row set = token 32 w + j allowed, any
 // other token -inf. Torch's unpack-and-fill takes ~0.45 ms per 152k-token row; this is one pass over the row, eight
 // lanes at a time (each lane tests its own bit of the word's byte).
-void mask_disallowed(torch::Tensor& logits, const torch::Tensor& bits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+void mask_disallowed(at::Tensor& logits, const at::Tensor& bits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "logits: contiguous float32 [rows, vocab]");
-  TORCH_CHECK(bits.dim() == 2 && bits.scalar_type() == torch::kInt32 && bits.is_contiguous() &&
+  TORCH_CHECK(bits.dim() == 2 && bits.scalar_type() == at::kInt && bits.is_contiguous() &&
                   bits.size(0) == logits.size(0) && bits.size(1) * 32 >= logits.size(1),
               "bits: contiguous int32 [rows, ceil(vocab / 32)]");
   const int64_t M = logits.size(0), V = logits.size(1), W = bits.size(1);

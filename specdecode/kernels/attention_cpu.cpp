@@ -7,7 +7,7 @@
 // [0, spans[t]) and then to the slots extras[t] in order (a tree node's ancestors: empty for a chain). A tree row
 // whose ancestors sit at scattered slots thus runs exactly the operations a one-token forward of its path runs
 // over contiguous slots. Grouped-query attention: head h reads KV head h / (H / Hkv). Returns [B, H, T, D] float32.
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -218,9 +218,9 @@ constexpr int64_t kRows = 8;
 // One unit of work: up to kRows rows of a batch entry against one KV head, for all the query heads that read it.
 // Scratch per thread, kept between calls (a step calls this once per layer and unit).
 template <typename T>
-LinearWork attend_work(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+LinearWork attend_work(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras,
-                       torch::Tensor out) {
+                       at::Tensor out) {
   const int64_t H = q.size(1), T_ = q.size(2), D = q.size(3);
   const int64_t Hkv = k_cache.size(1), S_max = k_cache.size(2), group = H / Hkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -254,9 +254,9 @@ LinearWork attend_work(const torch::Tensor& q, const torch::Tensor& k_cache, con
 
 int64_t decode_attention_units(int64_t rows, int64_t kv_heads) { return kv_heads * ((rows + kRows - 1) / kRows); }
 
-LinearWork decode_attention_work(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+LinearWork decode_attention_work(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: float32 [B, H, T, D]");
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: float32 [B, H, T, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: [B, Hkv, S, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches must share a dtype");
   TORCH_CHECK(q.size(3) % 8 == 0 && q.size(3) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
@@ -268,13 +268,13 @@ LinearWork decode_attention_work(const torch::Tensor& q, const torch::Tensor& k_
     for (int64_t s : extras[t])
       TORCH_CHECK(s >= spans[t] && s < k_cache.size(2) && spans[t] + extras[t].size() <= size_t(k_cache.size(2)),
                   "extra slot out of the cache");
-  auto out = torch::empty_like(q);
-  if (k_cache.scalar_type() == torch::kFloat32) return attend_work<float>(q, k_cache, v_cache, spans, extras, out);
-  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "caches must be float32 or bfloat16");
+  auto out = at::empty_like(q);
+  if (k_cache.scalar_type() == at::kFloat) return attend_work<float>(q, k_cache, v_cache, spans, extras, out);
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "caches must be float32 or bfloat16");
   return attend_work<at::BFloat16>(q, k_cache, v_cache, spans, extras, out);
 }
 
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras) {
   return run_alone(decode_attention_work(q, k_cache, v_cache, spans, extras));
 }
@@ -284,21 +284,21 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // Rotates q and k by x * cos + rotate_half(x) * sin, rounded as that eager formula rounds (two products, one sum,
 // no fused multiply-add), writes k and v into cache slots [start, start + T) of k_cache, v_cache [B, Hkv, S, D]
 // (float32) with start = slots[0] (rope_store_at: given), and returns q rotated as [B, H, T, D], the layout decode_attention reads.
-torch::Tensor rope_store(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                         const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                         torch::Tensor& v_cache, const torch::Tensor& slots) {
+at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                         at::Tensor& v_cache, const at::Tensor& slots) {
   return rope_store_at(q, k, v, cos, sin, k_cache, v_cache, slots.data_ptr<int64_t>()[0]);
 }
 
-torch::Tensor rope_store_at(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                            torch::Tensor& v_cache, int64_t start) {
-  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &v, &cos, &sin, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous(), "rope_store takes contiguous float32");
+at::Tensor rope_store_at(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                            at::Tensor& v_cache, int64_t start) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &k_cache, &v_cache})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "rope_store takes contiguous float32");
   const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3), Hkv = k.size(2), S = k_cache.size(2);
   const int64_t half = D / 2;
   TORCH_CHECK(start >= 0 && start + T_ <= S, "cache slots out of range");
-  auto out = torch::empty({B, H, T_, D}, q.options());
+  auto out = at::empty({B, H, T_, D}, q.options());
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   auto rotate = [&](const float* x, const float* cb, const float* sb, float* y) {

@@ -1,4 +1,9 @@
 // Python bindings of the native CPU kernels (one extension module, built on first use).
+// pybind11 with the casters of at::Tensor: the bindings need no more of torch (<torch/extension.h> took twice as
+// long to compile).
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
 #include "kernels.h"
 #include "layer_cpu.h"
 
@@ -42,26 +47,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<LinearOp>(m, "LinearOp", "a linear layer on one of the kernels (kind: 0 c16, 1 c16 legacy, 2 rows, "
                                       "3 float32, 4 bfloat16)")
-      .def(py::init<int64_t, std::vector<torch::Tensor>, torch::Tensor, std::vector<int64_t>>(), py::arg("kind"),
+      .def(py::init<int64_t, std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>>(), py::arg("kind"),
            py::arg("tensors"), py::arg("bias"), py::arg("ints"))
       .def("__call__", &LinearOp::operator());
   m.def("run_linears", &run_linears, "linear layers reading one input, in one parallel region (layer_cpu.h)",
         py::arg("x"), py::arg("ops"));
   py::class_<DecodeRows>(m, "DecodeRows", "the segments of a decode forward (layer_cpu.h)")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<std::vector<int64_t>>,
-                    std::vector<std::vector<std::vector<int64_t>>>, std::vector<torch::Tensor>,
-                    std::vector<torch::Tensor>>(),
+                    std::vector<std::vector<std::vector<int64_t>>>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>>(),
            py::arg("begin"), py::arg("end"), py::arg("start"), py::arg("spans"), py::arg("extras"), py::arg("k"),
            py::arg("v"));
   py::class_<DecoderLayer>(m, "DecoderLayer", "a decoder layer's weights and shape, for DecoderStack (layer_cpu.h)")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
-                    torch::Tensor, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp>(),
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
+                    at::Tensor, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp>(),
            py::arg("index"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("q"),
            py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"));
   py::class_<DecoderStack>(m, "DecoderStack", "every decoder layer and the final norm: a decode forward in one call "
                                               "(layer_cpu.h)")
-      .def(py::init<std::vector<DecoderLayer>, torch::Tensor, double>(), py::arg("layers"), py::arg("norm"),
+      .def(py::init<std::vector<DecoderLayer>, at::Tensor, double>(), py::arg("layers"), py::arg("norm"),
            py::arg("eps"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rows"),
            py::arg("features"));

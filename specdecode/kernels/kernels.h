@@ -1,6 +1,6 @@
 // Declarations of the native CPU kernels, for the bindings and for the decoder layer that calls them in C++.
 #pragma once
-#include <torch/extension.h>
+#include "aten_lite.h"
 
 #include <ATen/Parallel.h>
 
@@ -19,7 +19,7 @@
 struct LinearWork {
   int64_t units = 0;
   std::function<void(int64_t, int64_t)> run;
-  std::function<torch::Tensor()> done;
+  std::function<at::Tensor()> done;
   // Where unit u writes (the 16-channel kernels): y[m * cols + 16 u + i] for rows m < rows, so that a decoder
   // layer can finish a unit's outputs (the residual add, SiLU) right after the thread computing it wrote them.
   // Null where the work has no units.
@@ -30,7 +30,7 @@ struct LinearWork {
 // An input's activations as the integer kernels read them, by block format (the group size): quantized once for
 // all the layers of a group.
 struct QuantizedActs {
-  std::map<int64_t, std::vector<torch::Tensor>> by_format;
+  std::map<int64_t, std::vector<at::Tensor>> by_format;
 };
 
 // A switch read from the environment at start: on unless NAME=0 (SPECDECODE_AMX, SPECDECODE_GUIDED_UNITS).
@@ -79,7 +79,7 @@ void run_units(int64_t units, Run&& run) {
   });
 }
 
-inline torch::Tensor run_alone(const LinearWork& work) {
+inline at::Tensor run_alone(const LinearWork& work) {
   run_units(work.units, [&](int64_t first, int64_t last) { work.run(first, last); });
   return work.done();
 }
@@ -98,62 +98,62 @@ inline void run_channel_groups(int64_t first, int64_t last, int64_t M, int64_t N
   }
 }
 
-torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& weight);
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& weight);
-torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh,
-                           const torch::Tensor& scales, const torch::Tensor& mins, const torch::Tensor& d,
-                           const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t S, int64_t G);
-std::vector<torch::Tensor> repack_c16(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& scales,
-                                      const torch::Tensor& mins, const torch::Tensor& d, const torch::Tensor& dmin,
+at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh,
+                           const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
+                           const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t S, int64_t G);
+std::vector<at::Tensor> repack_c16(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& scales,
+                                      const at::Tensor& mins, const at::Tensor& d, const at::Tensor& dmin,
                                       int64_t bits, int64_t G);
-torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
-                         const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& d,
-                         const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G);
-std::vector<torch::Tensor> repack_c16_legacy(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
-                                             const torch::Tensor& dmin, int64_t bits, bool with_m);
+at::Tensor linear_c16(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi,
+                         const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d,
+                         const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t G);
+std::vector<at::Tensor> repack_c16_legacy(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& d,
+                                             const at::Tensor& dmin, int64_t bits, bool with_m);
 // Rows from which a Q4_K or Q6_K layer's forward runs on AMX tile products (bit-identical rows), or 0 where it does not:
 // no AMX in this build or this CPU, the system refused the tile state, or SPECDECODE_AMX=0.
 int64_t amx_min_rows();
 void set_amx(bool on);  // AMX for this process (on by default where it runs); off: the VNNI tile for every row
-LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
-                           const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& d,
-                           const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G,
+LinearWork linear_c16_work(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi,
+                           const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d,
+                           const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t G,
                            QuantizedActs& acts);
-LinearWork linear_c16_legacy_work(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
-                                  const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
+LinearWork linear_c16_legacy_work(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& hi,
+                                  const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& bias,
                                   int64_t bits, int64_t offset, QuantizedActs& acts);
-torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
-                                const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
+at::Tensor linear_c16_legacy(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& hi,
+                                const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& bias,
                                 int64_t bits, int64_t offset);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // g = silu(g) * u over rows [0, M) and channels [c0, c1) (multiples of 8) of [M, N] float32 arrays: every value by
 // one fixed sequence of operations (the MLP of the native layers and of model.py's loop on the CPU both call it).
 void silu_mul_rows(float* g, const float* u, int64_t M, int64_t N, int64_t c0, int64_t c1);
-torch::Tensor silu_mul_(torch::Tensor& g, const torch::Tensor& u);  // in place on g, returned
+at::Tensor silu_mul_(at::Tensor& g, const at::Tensor& u);  // in place on g, returned
 // decode_attention's work in units (a KV head and up to eight rows each: decode_attention_units of them), for a parallel region shared with other
 // work: spans and extras must outlive it.
 int64_t decode_attention_units(int64_t rows, int64_t kv_heads);  // for one sequence's rows
-LinearWork decode_attention_work(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+LinearWork decode_attention_work(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras);
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras);
 
-torch::Tensor argmax_rows(const torch::Tensor& x);
-std::vector<torch::Tensor> top1_probs(const torch::Tensor& x);
-std::vector<torch::Tensor> topk_probs(const torch::Tensor& x, int64_t k);
-void mask_disallowed(torch::Tensor& logits, const torch::Tensor& bits);
-torch::Tensor nucleus_probs(const torch::Tensor& logits, double temperature, double top_p);
-torch::Tensor draw_rows(const torch::Tensor& weights, const torch::Tensor& u);
-torch::Tensor rope_store(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                         const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                         torch::Tensor& v_cache, const torch::Tensor& slots);
-torch::Tensor rope_store_at(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                            torch::Tensor& v_cache, int64_t start);
+at::Tensor argmax_rows(const at::Tensor& x);
+std::vector<at::Tensor> top1_probs(const at::Tensor& x);
+std::vector<at::Tensor> topk_probs(const at::Tensor& x, int64_t k);
+void mask_disallowed(at::Tensor& logits, const at::Tensor& bits);
+at::Tensor nucleus_probs(const at::Tensor& logits, double temperature, double top_p);
+at::Tensor draw_rows(const at::Tensor& weights, const at::Tensor& u);
+at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                         at::Tensor& v_cache, const at::Tensor& slots);
+at::Tensor rope_store_at(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                            at::Tensor& v_cache, int64_t start);
 
 // Profiling of the native decoder layer (layer_cpu.cpp): per-stage wall time while on, and the cost of one empty
 // parallel region.
 void set_layer_profiling(bool on);
 std::vector<std::pair<std::string, double>> layer_profile();
 double parallel_region_seconds(int64_t repeats);
-double read_seconds(const torch::Tensor& x);
+double read_seconds(const at::Tensor& x);

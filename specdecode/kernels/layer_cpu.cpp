@@ -2,7 +2,6 @@
 // makes, in the same order.
 #include "layer_cpu.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <atomic>
@@ -84,8 +83,8 @@ std::vector<std::pair<std::string, double>> layer_profile() {
 // Seconds to read `x` (float32) once with the thread team, as the kernels stream weights: each thread a
 // contiguous share, sixteen floats a step in eight independent sums. The machine's read bandwidth, measured the
 // way a forward reads (a stock sum over the same bytes ran 20-40% slower in some spells).
-double read_seconds(const torch::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.numel() % 64 == 0,
+double read_seconds(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() % 64 == 0,
               "x: contiguous float32, a multiple of 64 values");
   const float* p = x.data_ptr<float>();
   const int64_t blocks = x.numel() / 64;
@@ -115,7 +114,7 @@ double parallel_region_seconds(int64_t repeats) {
   return std::chrono::duration<double>(Clock::now() - begin).count() / static_cast<double>(repeats);
 }
 
-torch::Tensor LinearOp::operator()(const torch::Tensor& x) const {
+at::Tensor LinearOp::operator()(const at::Tensor& x) const {
   const auto& w = tensors;
   switch (kind) {
     case kC16:
@@ -127,13 +126,13 @@ torch::Tensor LinearOp::operator()(const torch::Tensor& x) const {
     case kFp32:
     case kBf16: {  // the float kernels take no bias: added after, as KernelLinear does
       auto y = kind == kFp32 ? linear_fp32(x, w[0]) : linear_bf16(x, w[0]);
-      return bias.defined() && bias.numel() ? y + bias : y;
+      return bias.defined() && bias.numel() ? y.add(bias) : y;  // y + bias, without ATen's operator header
     }
   }
   TORCH_CHECK(false, "unknown linear kind ", kind);
 }
 
-LinearWork LinearOp::work(const torch::Tensor& x, QuantizedActs& acts) const {
+LinearWork LinearOp::work(const at::Tensor& x, QuantizedActs& acts) const {
   const auto& w = tensors;
   if (kind == kC16) return linear_c16_work(x, w[0], w[1], w[2], w[3], w[4], w[5], bias, ints[0], ints[1], acts);
   if (kind == kC16Legacy) return linear_c16_legacy_work(x, w[0], w[1], w[2], w[3], bias, ints[0], ints[1], acts);
@@ -188,9 +187,9 @@ struct Works {
 
 // q, k, v as the projections gave them [T, *] -> each segment's keys and values rotated into its cache, and the
 // works of attention over every segment (their query rows rotated into `rotated`, which must outlive them).
-Works attention_works(const DecoderLayer& l, const torch::Tensor& q_out, const torch::Tensor& k_out,
-                      const torch::Tensor& v_out, const torch::Tensor& cos, const torch::Tensor& sin,
-                      const DecodeRows& rows, std::vector<torch::Tensor>& rotated) {
+Works attention_works(const DecoderLayer& l, const at::Tensor& q_out, const at::Tensor& k_out,
+                      const at::Tensor& v_out, const at::Tensor& cos, const at::Tensor& sin,
+                      const DecodeRows& rows, std::vector<at::Tensor>& rotated) {
   const int64_t T = q_out.size(0), H = l.heads, Hkv = l.kv_heads, D = l.head_dim;
   auto qx = q_out.view({1, T, H, D}), kx = k_out.view({1, T, Hkv, D});
   const auto vx = v_out.view({1, T, Hkv, D});
@@ -211,8 +210,8 @@ Works attention_works(const DecoderLayer& l, const torch::Tensor& q_out, const t
 }
 
 // The attention works' outputs, once run -> the o projection's input [T, H * D].
-torch::Tensor attention_output(const Works& attention, int64_t T, int64_t width) {
-  std::vector<torch::Tensor> parts;
+at::Tensor attention_output(const Works& attention, int64_t T, int64_t width) {
+  std::vector<at::Tensor> parts;
   for (const auto& work : attention.works) parts.push_back(work.done());
   const auto attn = parts.size() == 1 ? parts[0] : at::cat(parts, 2);  // [1, H, T, D]
   return attn.transpose(1, 2).reshape({T, width});
@@ -220,26 +219,26 @@ torch::Tensor attention_output(const Works& attention, int64_t T, int64_t width)
 
 }  // namespace
 
-std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector<const LinearOp*>& ops) {
+std::vector<at::Tensor> run_linears(const at::Tensor& x, const std::vector<const LinearOp*>& ops) {
   QuantizedActs acts;  // held until every unit has run: the works point into it
   Works works;
   for (const LinearOp* op : ops) works.add(op->work(x, acts));
   run_units(works.first_unit.back(), [&](int64_t first, int64_t last) { works.run(first, last); });
-  std::vector<torch::Tensor> out;
+  std::vector<at::Tensor> out;
   for (const auto& work : works.works) out.push_back(work.done());
   return out;
 }
 
-torch::Tensor DecoderLayer::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+at::Tensor DecoderLayer::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                     const DecodeRows& rows) const {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, d] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [T, d] float32");
   const int64_t T = x.size(0);
   Laps laps;
   const auto h = rms_norm(x, input_norm, eps);
   laps.mark(0);
   const auto qkv = run_linears(h, {&q, &k, &v});
   laps.mark(1);
-  std::vector<torch::Tensor> rotated;
+  std::vector<at::Tensor> rotated;
   const Works attention = attention_works(*this, qkv[0], qkv[1], qkv[2], cos, sin, rows, rotated);
   laps.mark(2);
   run_units(attention.first_unit.back(), [&](int64_t first, int64_t last) { attention.run(first, last); });
@@ -294,8 +293,8 @@ std::vector<StagePlan> DecoderLayer::plan() const {
   return {weights({&q, &k, &v}), StagePlan{}, weights({&o}), gate_up, weights({&down})};
 }
 
-torch::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const torch::Tensor& x, const torch::Tensor& cos,
-                                       const torch::Tensor& sin, const DecodeRows& rows) const {
+at::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const at::Tensor& x, const at::Tensor& cos,
+                                       const at::Tensor& sin, const DecodeRows& rows) const {
   Laps laps;
   const auto h = rms_norm(x, input_norm, eps);
   laps.mark(0);
@@ -304,7 +303,7 @@ torch::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const torch::T
   for (const LinearOp* op : {&q, &k, &v}) qkv.add(op->work(h, acts));
   team.compute(stage, [&](int64_t first, int64_t last) { qkv.run(first, last); });
   laps.mark(1);
-  std::vector<torch::Tensor> rotated;
+  std::vector<at::Tensor> rotated;
   const Works attention =
       attention_works(*this, qkv.works[0].done(), qkv.works[1].done(), qkv.works[2].done(), cos, sin, rows, rotated);
   laps.mark(2);
@@ -342,10 +341,10 @@ torch::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const torch::T
   return wd.done();
 }
 
-torch::Tensor DecoderStack::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+at::Tensor DecoderStack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                     const DecodeRows& rows, const std::vector<int64_t>& features) const {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, d] float32");
-  std::vector<torch::Tensor> captured;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [T, d] float32");
+  std::vector<at::Tensor> captured;
   auto h = x;
   if (planned_for != this) {  // once per model: whether every layer can run in the team, and its stages' plans
     all_in_team = std::all_of(layers.begin(), layers.end(), [](const DecoderLayer& l) { return l.in_team(); });

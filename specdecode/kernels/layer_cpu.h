@@ -3,7 +3,7 @@
 // Here the same kernels and the same ATen operations run in the same order, so the result is bit for bit what
 // model.py's Python path computes (which still runs prefill, CUDA, bfloat16 and layers this cannot take).
 #pragma once
-#include <torch/extension.h>
+#include "aten_lite.h"
 
 #include <vector>
 
@@ -16,14 +16,14 @@
 struct LinearOp {
   enum Kind : int64_t { kC16 = 0, kC16Legacy = 1, kQuant = 2, kFp32 = 3, kBf16 = 4 };
   int64_t kind;
-  std::vector<torch::Tensor> tensors;  // the weight's tensors, in the kernel's argument order
-  torch::Tensor bias;                  // empty: none
+  std::vector<at::Tensor> tensors;  // the weight's tensors, in the kernel's argument order
+  at::Tensor bias;                  // empty: none
   std::vector<int64_t> ints;           // the kernel's integer arguments (bits, group, ...)
 
-  torch::Tensor operator()(const torch::Tensor& x) const;
+  at::Tensor operator()(const at::Tensor& x) const;
   // Its work on x, for a parallel region shared with other layers reading x (the float kernels and the row
   // kernel have no units: their `done` computes the whole output after the region).
-  LinearWork work(const torch::Tensor& x, QuantizedActs& acts) const;
+  LinearWork work(const at::Tensor& x, QuantizedActs& acts) const;
   // The 16-channel kernels' units, known from the weights alone: how many, their bytes, and unit u's weights
   // fetched into this thread's L2 cache (a thread reading ahead while another does a layer's serial work).
   bool has_units() const { return kind == kC16 || kind == kC16Legacy; }
@@ -34,7 +34,7 @@ struct LinearOp {
 
 // Linear layers that read the same input, in one parallel region over all their output channels, the input
 // quantized once per format: each output bit-identical to its layer's own call.
-std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector<const LinearOp*>& ops);
+std::vector<at::Tensor> run_linears(const at::Tensor& x, const std::vector<const LinearOp*>& ops);
 
 // Which rows of a forward belong to which sequence: rows [begin, end) of segment s write their keys and values to
 // cache slots [start, start + end - begin) of caches k[s], v[s] ([layers, 1, Hkv, S, D] float32), and row t of the
@@ -43,23 +43,23 @@ struct DecodeRows {
   std::vector<int64_t> begin, end, start;
   std::vector<std::vector<int64_t>> spans;
   std::vector<std::vector<std::vector<int64_t>>> extras;
-  std::vector<torch::Tensor> k, v;
+  std::vector<at::Tensor> k, v;
 };
 
 struct DecoderLayer {
   int64_t index, heads, kv_heads, head_dim;
   double eps;
-  torch::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm, k_norm empty where the model has none
+  at::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm, k_norm empty where the model has none
   LinearOp q, k, v, o, gate, up, down;
 
   // x [T, d] float32, the rows of every segment; cos, sin [T, head_dim] -> the layer's output [T, d]
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                         const DecodeRows& rows) const;
   // The same, as the lead of a team that runs stages [stage, stage + kStages) of its forward (team_cpu.h): every
   // linear layer on a 16-channel kernel.
   static constexpr int64_t kStages = 5;  // q k v, attention, o, gate up, down
-  torch::Tensor forward_in(Team& team, int64_t stage, const torch::Tensor& x, const torch::Tensor& cos,
-                           const torch::Tensor& sin, const DecodeRows& rows) const;
+  at::Tensor forward_in(Team& team, int64_t stage, const at::Tensor& x, const at::Tensor& cos,
+                           const at::Tensor& sin, const DecodeRows& rows) const;
   // Those stages' units and weights (attention's units depend on the rows: 0 here); they point into this layer.
   std::vector<StagePlan> plan() const;
   bool in_team() const;
@@ -69,12 +69,12 @@ struct DecoderLayer {
 // is on a 16-channel kernel, in one parallel region (team_cpu.h).
 struct DecoderStack {
   std::vector<DecoderLayer> layers;
-  torch::Tensor norm;
+  at::Tensor norm;
   double eps;
 
   // x [T, d] float32 (the embedded rows) -> the final hidden states [T, d], then the inputs of the layers
   // `features` (an EAGLE head's features) along the last dimension: [T, d * (1 + features)]
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                         const DecodeRows& rows, const std::vector<int64_t>& features) const;
 
   // Whether every layer runs in the team, and the layers' stage plans: made on the first forward (and again if

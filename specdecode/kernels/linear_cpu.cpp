@@ -12,7 +12,7 @@
 //    token-identical to plain decoding.
 //
 // Weight formats: fp32, float32 [N, K]; bf16, uint16 [N, K], the upper half of a float32.
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -100,11 +100,11 @@ void block(const float* x, int64_t M, const Weights& w, float* y, int64_t N, int
   }
 }
 
-torch::Tensor run(const torch::Tensor& x, const Weights& w, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, K] float32");
+at::Tensor run(const at::Tensor& x, const Weights& w, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
   TORCH_CHECK(x.size(1) == w.K && w.K % 8 == 0, "K must match the weights and be a multiple of 8");
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t first, int64_t last) {
@@ -121,12 +121,12 @@ torch::Tensor run(const torch::Tensor& x, const Weights& w, int64_t N) {
 
 }  // namespace
 
-torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& weight) {
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(), "weight must be float32 [N, K]");
+at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), "weight must be float32 [N, K]");
   return run(x, {Format::fp32, weight.data_ptr(), weight.size(1)}, weight.size(0));
 }
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& weight) {
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), "weight must be bfloat16 [N, K]");
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "weight must be bfloat16 [N, K]");
   return run(x, {Format::bf16, weight.data_ptr(), weight.size(1)}, weight.size(0));
 }

@@ -2,7 +2,7 @@
 // seven small tensor operations of the eager formula (most of a one-token step's framework overhead is in such
 // operations). Each row is reduced in one fixed order (eight lanes, then the fixed horizontal sum), whatever the
 // number of rows, so rows stay bit-identical to one-row calls.
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -10,12 +10,12 @@
 
 #include "simd.h"
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be contiguous float32");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(), "weight must be float32");
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), "weight must be float32");
   const int64_t D = x.size(-1), M = x.numel() / D;
   TORCH_CHECK(D % 8 == 0 && weight.numel() == D, "the last dimension must match the weight, a multiple of 8");
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();

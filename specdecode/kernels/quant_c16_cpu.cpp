@@ -21,7 +21,7 @@
 //
 // Every output y[m, n] is reduced in one fixed order (superblocks in order, integer sums exact), whatever M is, so
 // rows are bit-identical to one-row calls.
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -57,19 +57,19 @@ inline void row_codes(const uint8_t* qs, const uint8_t* qh, int bits, int64_t K,
 }  // namespace
 
 // Row layout (blocks.py) -> the channel layout above. N must be a multiple of 16, K of 256.
-std::vector<torch::Tensor> repack_c16(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& scales,
-                                      const torch::Tensor& mins, const torch::Tensor& d, const torch::Tensor& dmin,
+std::vector<at::Tensor> repack_c16(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& scales,
+                                      const at::Tensor& mins, const at::Tensor& d, const at::Tensor& dmin,
                                       int64_t bits, int64_t G) {
   const int64_t N = d.size(0), nsb = d.size(1), K = nsb * 256, ng = N / 16, nsub = 256 / G;
   TORCH_CHECK(N % 16 == 0, "repack_c16: N must be a multiple of 16");
-  auto opts = torch::TensorOptions().dtype(torch::kUInt8);
-  auto lo = torch::empty({ng, nsb, 32, 64}, opts);
+  auto opts = at::TensorOptions().dtype(at::kByte);
+  auto lo = at::empty({ng, nsb, 32, 64}, opts);
   const bool with_mins = bits != 6;
-  auto hi = torch::zeros({ng, nsb, bits > 4 ? 16 : 0, 64}, opts);
-  auto sc = torch::empty({ng, nsb, nsub, 16}, opts.dtype(torch::kInt8));
-  auto mn = torch::empty({ng, with_mins ? nsb : 0, nsub / 2, 16, 2}, opts.dtype(torch::kInt8));
-  auto dd = torch::empty({ng, nsb, 16}, opts.dtype(torch::kFloat16));
-  auto dm = torch::empty({ng, with_mins ? nsb : 0, 16}, opts.dtype(torch::kFloat16));
+  auto hi = at::zeros({ng, nsb, bits > 4 ? 16 : 0, 64}, opts);
+  auto sc = at::empty({ng, nsb, nsub, 16}, opts.dtype(at::kChar));
+  auto mn = at::empty({ng, with_mins ? nsb : 0, nsub / 2, 16, 2}, opts.dtype(at::kChar));
+  auto dd = at::empty({ng, nsb, 16}, opts.dtype(at::kHalf));
+  auto dm = at::empty({ng, with_mins ? nsb : 0, 16}, opts.dtype(at::kHalf));
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const uint8_t* h = bits > 4 ? qh.data_ptr<uint8_t>() : nullptr;
   const int8_t* s = scales.data_ptr<int8_t>();
@@ -684,11 +684,11 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, f
 
 }  // namespace
 
-LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
-                           const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& d,
-                           const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G,
+LinearWork linear_c16_work(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi,
+                           const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d,
+                           const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t G,
                            QuantizedActs& acts) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, K] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), ng = lo.size(0), nsb = lo.size(1), N = ng * 16;
   TORCH_CHECK(K == nsb * 256, "x has ", K, " columns, the weight ", nsb * 256);
   static const std::vector<TileFn> q4 = tiles<4, 32>(std::make_integer_sequence<int, kTile>{});
@@ -704,8 +704,8 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
   // the activations of this input in this format: quantized once for every layer of a group that reads it
   auto& quantized = acts.by_format[G];
   if (quantized.empty()) {
-    quantized = {torch::empty({M, K}, x.options().dtype(torch::kInt8)), torch::empty({M, K / 256}, x.options()),
-                 torch::empty({M, K / G / 2}, x.options().dtype(torch::kInt32))};
+    quantized = {at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, K / 256}, x.options()),
+                 at::empty({M, K / G / 2}, x.options().dtype(at::kInt))};
     quantize_acts(x.data_ptr<float>(), M, K, G, quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(),
                   quantized[2].data_ptr<int32_t>());
   }
@@ -717,7 +717,7 @@ LinearWork linear_c16_work(const torch::Tensor& x, const torch::Tensor& lo, cons
   const auto* m16 = dmin.numel() ? reinterpret_cast<const uint16_t*>(dmin.data_ptr<at::Half>()) : nullptr;
   const C16Weight w{lo.data_ptr<uint8_t>(), hi.numel() ? hi.data_ptr<uint8_t>() : nullptr, sc.data_ptr<int8_t>(),
                     mn.numel() ? mn.data_ptr<int8_t>() : nullptr, d16, m16, nsb};
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   LinearWork work;
@@ -748,9 +748,9 @@ int64_t amx_min_rows() { return kAmxKernel && amx_wanted.load() && amx_granted()
 
 void set_amx(bool on) { amx_wanted.store(on); }
 
-torch::Tensor linear_c16(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& hi,
-                         const torch::Tensor& sc, const torch::Tensor& mn, const torch::Tensor& d,
-                         const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t G) {
+at::Tensor linear_c16(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi,
+                         const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d,
+                         const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t G) {
   QuantizedActs acts;
   return run_alone(linear_c16_work(x, lo, hi, sc, mn, d, dmin, bias, bits, G, acts));
 }

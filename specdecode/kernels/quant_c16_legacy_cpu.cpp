@@ -11,7 +11,7 @@
 // Q4_0, Q5_0, Q8_0 are w = d * (code - OFF) with OFF = 8, 16, 128: the offset is taken off the integer sum
 // (sum of code * x minus OFF * sum of x), exactly, before the one float multiply-add per block and row.
 // Activations: int8 per block of 32 (the row kernel's rounding), their scale, and the sum of their codes.
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -25,15 +25,15 @@
 #include "simd.h"
 
 // Row layout (blocks.py: 32-code nibble runs, bit planes; Q8_0 signed bytes) -> the channel layout above.
-std::vector<torch::Tensor> repack_c16_legacy(const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
-                                             const torch::Tensor& dmin, int64_t bits, bool with_m) {
+std::vector<at::Tensor> repack_c16_legacy(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& d,
+                                             const at::Tensor& dmin, int64_t bits, bool with_m) {
   const int64_t N = d.size(0), nb = d.size(1), K = nb * 32, ng = N / 16;
   TORCH_CHECK(N % 16 == 0, "repack_c16_legacy: N must be a multiple of 16");
-  auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
-  auto codes = torch::empty({ng, nb, bits == 8 ? 8 : 4, 64}, u8);
-  auto hi = torch::zeros({ng, nb, bits == 5 ? 1 : 0, 64}, u8);
-  auto dd = torch::empty({ng, nb, 16}, u8.dtype(torch::kFloat16));
-  auto mm = torch::empty({ng, nb, with_m ? 16 : 0}, u8.dtype(torch::kFloat16));
+  auto u8 = at::TensorOptions().dtype(at::kByte);
+  auto codes = at::empty({ng, nb, bits == 8 ? 8 : 4, 64}, u8);
+  auto hi = at::zeros({ng, nb, bits == 5 ? 1 : 0, 64}, u8);
+  auto dd = at::empty({ng, nb, 16}, u8.dtype(at::kHalf));
+  auto mm = at::empty({ng, nb, with_m ? 16 : 0}, u8.dtype(at::kHalf));
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const uint8_t* h = bits == 5 ? qh.data_ptr<uint8_t>() : nullptr;
   const at::Half* d16 = d.data_ptr<at::Half>();
@@ -257,10 +257,10 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int8_t* q, float* xd, i
 
 }  // namespace
 
-LinearWork linear_c16_legacy_work(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
-                                  const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
+LinearWork linear_c16_legacy_work(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& hi,
+                                  const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& bias,
                                   int64_t bits, int64_t offset, QuantizedActs& acts) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, K] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), ng = codes.size(0), nb = codes.size(1), N = ng * 16;
   TORCH_CHECK(K == nb * 32, "x has ", K, " columns, the weight ", nb * 32);
   using Seq = std::make_integer_sequence<int, kTile>;
@@ -276,8 +276,8 @@ LinearWork linear_c16_legacy_work(const torch::Tensor& x, const torch::Tensor& c
   TORCH_CHECK(!bias.numel() || bias.numel() == N, "bias must have one value per output");
   auto& quantized = acts.by_format[-32];  // every 32-weight block type reads these (the k-quants key by G > 0)
   if (quantized.empty()) {
-    quantized = {torch::empty({M, K}, x.options().dtype(torch::kInt8)), torch::empty({M, K / 32}, x.options()),
-                 torch::empty({M, K / 32}, x.options().dtype(torch::kInt32))};
+    quantized = {at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, K / 32}, x.options()),
+                 at::empty({M, K / 32}, x.options().dtype(at::kInt))};
     quantize_acts(x.data_ptr<float>(), M, K, quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(),
                   quantized[2].data_ptr<int32_t>());
   }
@@ -285,7 +285,7 @@ LinearWork linear_c16_legacy_work(const torch::Tensor& x, const torch::Tensor& c
   const Weight w{codes.data_ptr<uint8_t>(), hi.numel() ? hi.data_ptr<uint8_t>() : nullptr,
                  reinterpret_cast<const uint16_t*>(d.data_ptr()),
                  dmin.numel() ? reinterpret_cast<const uint16_t*>(dmin.data_ptr()) : nullptr, nb};
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   LinearWork work;
@@ -308,8 +308,8 @@ LinearWork linear_c16_legacy_work(const torch::Tensor& x, const torch::Tensor& c
   return work;
 }
 
-torch::Tensor linear_c16_legacy(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& hi,
-                                const torch::Tensor& d, const torch::Tensor& dmin, const torch::Tensor& bias,
+at::Tensor linear_c16_legacy(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& hi,
+                                const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& bias,
                                 int64_t bits, int64_t offset) {
   QuantizedActs acts;
   return run_alone(linear_c16_legacy_work(x, codes, hi, d, dmin, bias, bits, offset, acts));

@@ -20,7 +20,7 @@
 //
 // Work per 256 weights and activation row (the cost of every extra row in a verify forward): K-quants load,
 // multiply-accumulate and scale 4 (AVX-512) or 8 vectors, plus one vpmaddwd for all the min terms at once.
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -369,17 +369,17 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t S, int8_t* q, f
   });
 }
 
-const uint8_t* bytes_or_null(const torch::Tensor& t) {
+const uint8_t* bytes_or_null(const at::Tensor& t) {
   return t.numel() ? static_cast<const uint8_t*>(t.data_ptr()) : nullptr;
 }
 
 }  // namespace
 
-torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh,
-                           const torch::Tensor& scales, const torch::Tensor& mins, const torch::Tensor& d,
-                           const torch::Tensor& dmin, const torch::Tensor& bias, int64_t bits, int64_t S, int64_t G) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [M, K] float32");
-  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous(), "d: float16 [N, K / S]");
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh,
+                           const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
+                           const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t S, int64_t G) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.is_contiguous(), "d: float16 [N, K / S]");
   const int64_t M = x.size(0), K = x.size(1), N = d.size(0);
   TORCH_CHECK(K % S == 0 && d.size(1) == K / S, "K must be a whole number of superblocks");
   for (const auto* t : {&qs, &qh, &scales, &mins, &dmin}) TORCH_CHECK(t->is_contiguous(), "tensors must be contiguous");
@@ -392,12 +392,12 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& qs, cons
                       reinterpret_cast<const uint16_t*>(bytes_or_null(dmin)), K};
   const Kernel* kernel = pick(w, dmin.numel() > 0);
   TORCH_CHECK(kernel != nullptr, "no kernel for bits=", bits, " S=", S, " G=", G);
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto xd = torch::empty({M, K / S}, x.options());
-  auto sums = torch::empty({M, K / 16}, x.options().dtype(torch::kInt16));
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto xd = at::empty({M, K / S}, x.options());
+  auto sums = at::empty({M, K / 16}, x.options().dtype(at::kShort));
   quantize_acts(x.data_ptr<float>(), M, K, S, q.data_ptr<int8_t>(), xd.data_ptr<float>(), sums.data_ptr<int16_t>());
   const QuantActs a{q.data_ptr<int8_t>(), xd.data_ptr<float>(), sums.data_ptr<int16_t>()};
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + kRowBlock - 1) / kRowBlock, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {

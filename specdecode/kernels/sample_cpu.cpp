@@ -2,7 +2,7 @@
 // In torch, top-p over a 152k vocabulary took ~1.1-2 ms a row (a softmax, a top-256, a scatter, a masked fill, a
 // second softmax) and a draw ~1 ms (a count of the non-zero weights, a top-k of them, a cumulative sum): ~12 ms of
 // a sampled speculative step that verifies five rows. Here a row is read a few times and written twice.
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -81,12 +81,12 @@ bool nucleus_row(const float* x, int64_t V, float inv_t, double top_p, float* ou
 
 // softmax(logits / temperature) restricted to each row's top-p nucleus (zero elsewhere), [rows, V] float32; an
 // empty tensor where a row holds a NaN or only -inf (torch's path then says what to do).
-torch::Tensor nucleus_probs(const torch::Tensor& logits, double temperature, double top_p) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+at::Tensor nucleus_probs(const at::Tensor& logits, double temperature, double top_p) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "logits must be [rows, V] float32");
   TORCH_CHECK(temperature > 0 && top_p > 0 && top_p <= 1, "temperature > 0 and top_p in (0, 1]");
   const int64_t M = logits.size(0), V = logits.size(1);
-  auto out = torch::empty_like(logits);
+  auto out = at::empty_like(logits);
   const float* x = logits.data_ptr<float>();
   float* o = out.data_ptr<float>();
   std::vector<char> ok(M, 1);
@@ -95,20 +95,20 @@ torch::Tensor nucleus_probs(const torch::Tensor& logits, double temperature, dou
       ok[m] = nucleus_row(x + m * V, V, static_cast<float>(1.0 / temperature), top_p, o + m * V);
   });
   for (char good : ok)
-    if (!good) return torch::empty({0}, logits.options());
+    if (!good) return at::empty({0}, logits.options());
   return out;
 }
 
 // One token a row of non-negative weights [rows, V] float32 (any scale), by inverse CDF in index order over the
 // weights above zero: token i owns [sum of the weights before it, that plus its own) of the total, and `u` [rows]
 // float64 in [0, 1) picks the token owning u * total. -1 for a row whose weights are all zero (or not finite).
-torch::Tensor draw_rows(const torch::Tensor& weights, const torch::Tensor& u) {
-  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == torch::kFloat32 && weights.is_contiguous(),
+at::Tensor draw_rows(const at::Tensor& weights, const at::Tensor& u) {
+  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
               "weights must be [rows, V] float32");
-  TORCH_CHECK(u.dim() == 1 && u.scalar_type() == torch::kFloat64 && u.size(0) == weights.size(0),
+  TORCH_CHECK(u.dim() == 1 && u.scalar_type() == at::kDouble && u.size(0) == weights.size(0),
               "u must be [rows] float64");
   const int64_t M = weights.size(0), V = weights.size(1);
-  auto out = torch::empty({M}, weights.options().dtype(torch::kInt64));
+  auto out = at::empty({M}, weights.options().dtype(at::kLong));
   const float* w = weights.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   int64_t* o = out.data_ptr<int64_t>();

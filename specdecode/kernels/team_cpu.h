@@ -13,7 +13,7 @@
 //
 // A unit's outputs do not depend on which thread computes it, nor when: the same bits as any other schedule.
 #pragma once
-#include <torch/extension.h>
+#include "aten_lite.h"
 
 #include <ATen/Parallel.h>
 
