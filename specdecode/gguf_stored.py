@@ -26,7 +26,7 @@ from specdecode import hub
 from specdecode.blocks import FORMATS, PackedWeight, from_gguf, with_rows
 from specdecode.errors import SpecdecodeError
 from specdecode.weights import (conversion_prefix, gguf_config, gguf_tokenizer, guard_gguf, read_config,
-                                read_tokenizer, write_folder)  # fmt: skip
+                                read_tokenizer, same_vocabulary_files, write_folder)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,10 @@ def stored_dir(gguf: Path, cache: Path | None = None) -> Path:
     return (cache or hub.cache_dir()) / "converted" / f"{conversion_prefix(gguf)}as-stored-v{LAYOUT}"
 
 
-def load_stored(gguf: Path, cache: Path | None = None) -> StoredCheckpoint:
-    """The GGUF file's weights as stored (unpacked and cached on first use)."""
+def load_stored(gguf: Path, cache: Path | None = None, tokenizer_like: Any = None) -> StoredCheckpoint:
+    """The GGUF file's weights as stored (unpacked and cached on first use). `tokenizer_like`: a tokenizer already
+    loaded (the target's, for its draft), which is this file's too when its vocabulary files are the same bytes:
+    reading a second copy costs ~1.5 s of a start."""
     folder = stored_dir(gguf, cache)
     if not folder.is_dir():
         unpack_gguf(gguf, folder)
@@ -84,7 +86,10 @@ def load_stored(gguf: Path, cache: Path | None = None) -> StoredCheckpoint:
                 floats[key] = value
     packed = {name: PackedWeight(FORMATS[fmt], *(fields[name].get(f, torch.empty(0, dtype=torch.uint8))
                                                  for f in PACKED_FIELDS)) for name, fmt in formats.items()}
-    return StoredCheckpoint(read_config(folder), floats, packed, read_tokenizer(folder))
+    where = getattr(tokenizer_like, "name_or_path", None)  # the folder it was read from
+    if not where or not same_vocabulary_files(folder, Path(where)):
+        tokenizer_like = read_tokenizer(folder)
+    return StoredCheckpoint(read_config(folder), floats, packed, tokenizer_like)
 
 
 def unpack_gguf(gguf: Path, out: Path) -> None:

@@ -115,11 +115,12 @@ def plan_load(target: str, draft: str | None, dtype: str = "auto", device: str =
 
 
 def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: str = "none",
-               weights: str = "float") -> tuple[torch.nn.Module, object]:
+               weights: str = "float", tokenizer_like: Any = None) -> tuple[torch.nn.Module, object]:
     """-> (model with the engine's forward contract, tokenizer). `weights` = 'stored' runs a GGUF file's blocks
-    as they are (resolve_weights); `quantize` = none, q8_0 or q4_k blocks written from the float weights."""
+    as they are (resolve_weights); `quantize` = none, q8_0 or q4_k blocks written from the float weights.
+    `tokenizer_like`: a tokenizer already loaded, returned as this model's where its files are the same."""
     if weights == "stored":
-        return _stored(resolve_source(source), dtype)
+        return _stored(resolve_source(source), dtype, tokenizer_like)
     ckpt = load_checkpoint(source, dtype)
     if runs_natively(ckpt.config):
         # Every linear layer on the CPU kernel (where it runs), so verify forwards are cheap and exact.
@@ -142,10 +143,10 @@ def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str) -
     return model.to(device).eval()
 
 
-def _stored(gguf, dtype: torch.dtype) -> tuple[Transformer, object]:
+def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None) -> tuple[Transformer, object]:
     from specdecode.gguf_stored import load_stored
 
-    ckpt = load_stored(gguf)
+    ckpt = load_stored(gguf, tokenizer_like=tokenizer_like)
     if not runs_natively(ckpt.config):
         raise SpecdecodeError(f"{gguf.name}: weights as stored run on the native llama-family model only; "
                               "use --weights float for this architecture")
@@ -217,7 +218,7 @@ def load_draft(source: str, plan: LoadPlan, device: str, target_tokenizer: Any, 
     # Each draft's own form: a benchmark or `advise` loads several, and an architecture the native model lacks
     # runs in float through transformers even where another draft runs as stored.
     weights = resolve_weights("auto", source, device) if plan.draft_weights == "stored" else plan.draft_weights
-    model, tokenizer = load_model(source, plan.dtype, device, plan.draft_quantize, weights)
+    model, tokenizer = load_model(source, plan.dtype, device, plan.draft_quantize, weights, target_tokenizer)
     # The draft's own tokenizer comes with it: loading it separately first cost a second at every start.
     tokenizer = tokenizer or load_tokenizer(source)
     bridge = None
@@ -237,6 +238,8 @@ def load_draft(source: str, plan: LoadPlan, device: str, target_tokenizer: Any, 
 
 
 def same_tokenizer(target_tok, draft_tok) -> bool:
+    if target_tok is not None and target_tok is draft_tok:  # a draft whose files are the target's (load_stored)
+        return True
     return target_tok is not None and draft_tok is not None and target_tok.get_vocab() == draft_tok.get_vocab()
 
 

@@ -58,7 +58,8 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU even while a model is built on the meta device: real values, and meta ops import torch's compiler
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -304,7 +305,11 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        shape = (config.vocab_size, config.hidden_size)
+        # Built on the meta device (a checkpoint's weights replace it at once): no random init, whose nn.init call
+        # would import torch's compiler, ~3 s of a start.
+        empty = torch.empty(shape)
+        self.embed_tokens = nn.Embedding(*shape, _weight=empty) if empty.is_meta else nn.Embedding(*shape)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -348,7 +353,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # beside the weights; kept on the CPU while they are built on the meta device (their loader replaces them)
+        inv_freq, where = rope_inv_freq(config), self.lm_head.weight.device
+        self.register_buffer("inv_freq", inv_freq if where.type == "meta" else inv_freq.to(where), persistent=False)
         self._rotary_table: RotaryTable | None = None  # _rotary's, on the CPU
         self._native: tuple[tuple, object | None] = ((), None)  # (the linear modules it was built from, the stack)
         self._native_edits = -1  # module_edits.count when the linear modules were last compared

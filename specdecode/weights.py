@@ -199,6 +199,16 @@ def read_state_dict(folder: Path, config: dict[str, Any], dtype: torch.dtype) ->
     }
 
 
+VOCABULARY_FILES = [name for name in TOKENIZER_FILES if not name.startswith("chat_template")]
+
+
+def same_vocabulary_files(folder: Path, other: Path) -> bool:
+    """Whether two tokenizer folders hold the same vocabulary files, byte for byte (chat templates aside)."""
+    names = [name for name in VOCABULARY_FILES if (folder / name).is_file()]
+    return bool(names) and names == [name for name in VOCABULARY_FILES if (other / name).is_file()] and all(
+        (folder / name).read_bytes() == (other / name).read_bytes() for name in names)
+
+
 def read_tokenizer(folder: Path) -> PreTrainedTokenizerBase | None:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return None

@@ -204,6 +204,26 @@ def test_gguf_second_load_reads_the_cache(tiny_gguf: Path, tmp_path: Path, monke
     assert weights.load_tokenizer(str(tiny_gguf), cache=tmp_path).chat_template == CHAT_TEMPLATE
 
 
+def test_a_draft_with_the_targets_vocabulary_files_shares_its_tokenizer(tiny_gguf: Path, tmp_path: Path) -> None:
+    from specdecode.gguf_stored import load_stored, stored_dir
+
+    own = load_stored(tiny_gguf, tmp_path).tokenizer
+    twins = {name: tmp_path / name for name in ("same", "edited", "fewer")}
+    for twin in twins.values():
+        twin.mkdir()
+        for file in stored_dir(tiny_gguf, tmp_path).iterdir():
+            if file.name in weights.TOKENIZER_FILES:
+                shutil.copy(file, twin / file.name)
+    (twins["same"] / "chat_template.jinja").write_text("{{ messages }}")  # chat templates aside
+    (twins["edited"] / "tokenizer.json").write_text((twins["edited"] / "tokenizer.json").read_text() + " ")
+    (twins["fewer"] / "tokenizer_config.json").unlink()
+    like = {name: weights.read_tokenizer(twin) for name, twin in twins.items()}
+    assert load_stored(tiny_gguf, tmp_path, tokenizer_like=like["same"]).tokenizer is like["same"]
+    for name in ("edited", "fewer"):  # other bytes, another set of files: its own, read from its folder
+        read = load_stored(tiny_gguf, tmp_path, tokenizer_like=like[name]).tokenizer
+        assert read is not like[name] and read.get_vocab() == own.get_vocab(), name
+
+
 def test_gguf_tied_embeddings(tmp_path: Path) -> None:
     path = tmp_path / "tied.gguf"
     model = _qwen2(tie=True)

@@ -48,24 +48,33 @@ inline void row_codes(const uint8_t* qs, const uint8_t* qh, int bits, int64_t K,
   const uint8_t* run = qs + n * (K / 2) + sb * 128;
   for (int r = 0; r < 2; ++r)
     for (int j = 0; j < 64; ++j) codes[128 * r + j] = run[64 * r + j] & 15, codes[128 * r + 64 + j] = run[64 * r + j] >> 4;
-  for (int p = 0; p < bits - 4; ++p) {
+  for (int p = 0; p < bits - 4; ++p) {  // code k's bit 4 + p is bit k % 8 of the plane's byte k / 8
     const uint8_t* plane = qh + (n * (bits - 4) + p) * (K / 8) + sb * 32;
-    for (int k = 0; k < 256; ++k) codes[k] |= ((plane[k / 8] >> (k % 8)) & 1) << (4 + p);
+    for (int w = 0; w < 32; ++w) {
+      uint64_t eight;
+      std::memcpy(&eight, codes + 8 * w, 8);
+      eight |= specdecode::spread_bits(plane[w]) << (4 + p);
+      std::memcpy(codes + 8 * w, &eight, 8);
+    }
   }
 }
 
 }  // namespace
 
-// Row layout (blocks.py) -> the channel layout above. N must be a multiple of 16, K of 256.
+// Row layout (blocks.py) -> the channel layout above. N must be a multiple of 16, K of 256. Four codes of a channel
+// move as one word (byte-wise masks and shifts that carry nothing across bytes): a load of the target repacks its
+// ~1 GB of blocks at every start.
 std::vector<at::Tensor> repack_c16(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& scales,
                                       const at::Tensor& mins, const at::Tensor& d, const at::Tensor& dmin,
                                       int64_t bits, int64_t G) {
+  using specdecode::load_word;
+  using specdecode::store_word;
   const int64_t N = d.size(0), nsb = d.size(1), K = nsb * 256, ng = N / 16, nsub = 256 / G;
   TORCH_CHECK(N % 16 == 0, "repack_c16: N must be a multiple of 16");
   auto opts = at::TensorOptions().dtype(at::kByte);
   auto lo = at::empty({ng, nsb, 32, 64}, opts);
   const bool with_mins = bits != 6;
-  auto hi = at::zeros({ng, nsb, bits > 4 ? 16 : 0, 64}, opts);
+  auto hi = at::empty({ng, nsb, bits > 4 ? 16 : 0, 64}, opts);
   auto sc = at::empty({ng, nsb, nsub, 16}, opts.dtype(at::kChar));
   auto mn = at::empty({ng, with_mins ? nsb : 0, nsub / 2, 16, 2}, opts.dtype(at::kChar));
   auto dd = at::empty({ng, nsb, 16}, opts.dtype(at::kHalf));
@@ -76,30 +85,37 @@ std::vector<at::Tensor> repack_c16(const at::Tensor& qs, const at::Tensor& qh, c
   const int8_t* m = mins.data_ptr<int8_t>();
   const at::Half* d16 = d.data_ptr<at::Half>();
   const at::Half* m16 = dmin.data_ptr<at::Half>();
+  uint8_t* lo_all = lo.data_ptr<uint8_t>();
+  uint8_t* hi_all = bits > 4 ? hi.data_ptr<uint8_t>() : nullptr;
+  int8_t* sc_all = sc.data_ptr<int8_t>();
+  int8_t* mn_all = with_mins ? mn.data_ptr<int8_t>() : nullptr;
+  at::Half* dd_all = dd.data_ptr<at::Half>();
+  at::Half* dm_all = with_mins ? dm.data_ptr<at::Half>() : nullptr;
   at::parallel_for(0, ng, 1, [&](int64_t first, int64_t last) {
     for (int64_t cg = first; cg < last; ++cg) {
       for (int64_t sb = 0; sb < nsb; ++sb) {
         const int64_t at = cg * nsb + sb;
-        uint8_t* lo_p = lo.data_ptr<uint8_t>() + at * 32 * 64;
-        uint8_t* hi_p = bits > 4 ? hi.data_ptr<uint8_t>() + at * 16 * 64 : nullptr;
+        uint8_t* lo_p = lo_all + at * 32 * 64;
+        uint8_t* hi_p = bits > 4 ? hi_all + at * 16 * 64 : nullptr;
         for (int c = 0; c < 16; ++c) {
           const int64_t n = cg * 16 + c;
-          uint8_t row[256];
+          alignas(8) uint8_t row[256];
           row_codes(q, h, static_cast<int>(bits), K, n, sb, row);
-          for (int kk = 0; kk < 256; ++kk) {
-            const int code = row[kk];
-            const int chunk = kk / 4, i = kk % 4;
-            uint8_t& byte = lo_p[(chunk / 2) * 64 + 4 * c + i];
-            if (chunk % 2 == 0) byte = code & 15; else byte |= (code & 15) << 4;
-            if (hi_p != nullptr) hi_p[(chunk / 4) * 64 + 4 * c + i] |= ((code >> 4) & 3) << (2 * (chunk % 4));
-          }
+          for (int p = 0; p < 32; ++p)  // codes 8 p + i and 8 p + 4 + i: the low and high nibble of byte i
+            store_word(lo_p + p * 64 + 4 * c, (load_word(row + 8 * p) & 0x0F0F0F0Fu) |
+                                                  (load_word(row + 8 * p + 4) & 0x0F0F0F0Fu) << 4);
+          if (hi_p != nullptr)
+            for (int v = 0; v < 16; ++v) {  // bits 4, 5 of code 16 v + 4 j + i in bits 2 j, 2 j + 1 of byte i
+              uint32_t word = 0;
+              for (int j = 0; j < 4; ++j) word |= (load_word(row + 16 * v + 4 * j) >> 4 & 0x03030303u) << (2 * j);
+              store_word(hi_p + v * 64 + 4 * c, word);
+            }
           for (int64_t u = 0; u < nsub; ++u) {
-            sc.data_ptr<int8_t>()[(at * nsub + u) * 16 + c] = s[n * (K / G) + sb * nsub + u];
-            if (with_mins)
-              mn.data_ptr<int8_t>()[((at * (nsub / 2) + u / 2) * 16 + c) * 2 + u % 2] = m[n * (K / G) + sb * nsub + u];
+            sc_all[(at * nsub + u) * 16 + c] = s[n * (K / G) + sb * nsub + u];
+            if (with_mins) mn_all[((at * (nsub / 2) + u / 2) * 16 + c) * 2 + u % 2] = m[n * (K / G) + sb * nsub + u];
           }
-          dd.data_ptr<at::Half>()[at * 16 + c] = d16[n * nsb + sb];
-          if (with_mins) dm.data_ptr<at::Half>()[at * 16 + c] = m16[n * nsb + sb];
+          dd_all[at * 16 + c] = d16[n * nsb + sb];
+          if (with_mins) dm_all[at * 16 + c] = m16[n * nsb + sb];
         }
       }
     }

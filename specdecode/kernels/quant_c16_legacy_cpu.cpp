@@ -24,45 +24,57 @@
 #include "kernels.h"
 #include "simd.h"
 
-// Row layout (blocks.py: 32-code nibble runs, bit planes; Q8_0 signed bytes) -> the channel layout above.
+// Row layout (blocks.py: 32-code nibble runs, bit planes; Q8_0 signed bytes) -> the channel layout above. Four codes
+// of a channel move as one word, as quant_c16_cpu.cpp's repack does.
 std::vector<at::Tensor> repack_c16_legacy(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& d,
                                              const at::Tensor& dmin, int64_t bits, bool with_m) {
+  using specdecode::load_word;
+  using specdecode::store_word;
   const int64_t N = d.size(0), nb = d.size(1), K = nb * 32, ng = N / 16;
   TORCH_CHECK(N % 16 == 0, "repack_c16_legacy: N must be a multiple of 16");
   auto u8 = at::TensorOptions().dtype(at::kByte);
   auto codes = at::empty({ng, nb, bits == 8 ? 8 : 4, 64}, u8);
-  auto hi = at::zeros({ng, nb, bits == 5 ? 1 : 0, 64}, u8);
+  auto hi = at::empty({ng, nb, bits == 5 ? 1 : 0, 64}, u8);
   auto dd = at::empty({ng, nb, 16}, u8.dtype(at::kHalf));
   auto mm = at::empty({ng, nb, with_m ? 16 : 0}, u8.dtype(at::kHalf));
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const uint8_t* h = bits == 5 ? qh.data_ptr<uint8_t>() : nullptr;
   const at::Half* d16 = d.data_ptr<at::Half>();
   const at::Half* m16 = with_m ? dmin.data_ptr<at::Half>() : nullptr;
+  uint8_t* codes_all = codes.data_ptr<uint8_t>();
+  uint8_t* hi_all = bits == 5 ? hi.data_ptr<uint8_t>() : nullptr;
+  at::Half* dd_all = dd.data_ptr<at::Half>();
+  at::Half* mm_all = with_m ? mm.data_ptr<at::Half>() : nullptr;
   at::parallel_for(0, ng, 1, [&](int64_t first, int64_t last) {
     for (int64_t cg = first; cg < last; ++cg)
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t at = cg * nb + b;
-        uint8_t* cp = codes.data_ptr<uint8_t>() + at * (bits == 8 ? 8 : 4) * 64;
-        uint8_t* hp = bits == 5 ? hi.data_ptr<uint8_t>() + at * 64 : nullptr;
+        uint8_t* cp = codes_all + at * (bits == 8 ? 8 : 4) * 64;
+        uint8_t* hp = bits == 5 ? hi_all + at * 64 : nullptr;
         for (int c = 0; c < 16; ++c) {
           const int64_t n = cg * 16 + c;
-          for (int k = 0; k < 32; ++k) {
-            const int chunk = k / 4, i = k % 4;
-            if (bits == 8) {
-              cp[chunk * 64 + 4 * c + i] = static_cast<uint8_t>(static_cast<int8_t>(q[n * K + b * 32 + k]) + 128);
-              continue;
-            }
-            const uint8_t byte = q[n * (K / 2) + b * 16 + k % 16];
-            const int code = k < 16 ? (byte & 15) : (byte >> 4);
-            uint8_t& out = cp[(chunk / 2) * 64 + 4 * c + i];
-            if (chunk % 2 == 0) out = code; else out |= code << 4;
-            if (hp != nullptr) {
-              const int high = (h[n * (K / 8) + (b * 32 + k) / 8] >> (k % 8)) & 1;
-              hp[4 * c + i] |= high << chunk;
+          if (bits == 8) {  // code 4 j + i, plus 128 (its top bit flipped), at byte 4 c + i of vector j
+            for (int j = 0; j < 8; ++j) store_word(cp + j * 64 + 4 * c, load_word(q + n * K + b * 32 + 4 * j) ^ 0x80808080u);
+          } else {
+            // codes k < 16 are the low nibbles of the block's 16 bytes, codes 16 + k the high ones
+            const uint8_t* run = q + n * (K / 2) + b * 16;
+            alignas(8) uint8_t row[32];
+            for (int k = 0; k < 16; ++k) row[k] = run[k] & 15, row[16 + k] = run[k] >> 4;
+            for (int p = 0; p < 4; ++p)  // codes 8 p + i and 8 p + 4 + i: the low and high nibble of byte i
+              store_word(cp + p * 64 + 4 * c, load_word(row + 8 * p) | load_word(row + 8 * p + 4) << 4);
+            if (hp != nullptr) {  // bit 4 of code 4 j + i (bit k % 8 of the plane's byte k / 8) in bit j of byte i
+              alignas(8) uint8_t high[32];
+              for (int w = 0; w < 4; ++w) {
+                const uint64_t eight = specdecode::spread_bits(h[n * (K / 8) + b * 4 + w]);
+                std::memcpy(high + 8 * w, &eight, 8);
+              }
+              uint32_t word = 0;
+              for (int j = 0; j < 8; ++j) word |= load_word(high + 4 * j) << j;
+              store_word(hp + 4 * c, word);
             }
           }
-          dd.data_ptr<at::Half>()[at * 16 + c] = d16[n * nb + b];
-          if (with_m) mm.data_ptr<at::Half>()[at * 16 + c] = m16[n * nb + b];  // dmin = -m
+          dd_all[at * 16 + c] = d16[n * nb + b];
+          if (with_m) mm_all[at * 16 + c] = m16[n * nb + b];  // dmin = -m
         }
       }
   });

@@ -36,6 +36,28 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// Four bytes at p as one word (byte i of p in bits 8 i .. 8 i + 7, x86 being little-endian), and back: a repack
+// moves four bytes of one channel at a time.
+inline uint32_t load_word(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline void store_word(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+
+// The eight bits of b spread over eight bytes: byte t of the result is bit t of b.
+inline uint64_t spread_bits(uint8_t b) {
+  static const auto table = [] {
+    struct Table {
+      uint64_t v[256];
+    } t{};
+    for (int b = 0; b < 256; ++b)
+      for (int bit = 0; bit < 8; ++bit) t.v[b] |= static_cast<uint64_t>((b >> bit) & 1) << (8 * bit);
+    return t;
+  }();
+  return table.v[b];
+}
+
 // An empty barrier on v: the compiler must treat it as computed here. A running sum of vpmaddubsw products,
 // otherwise re-associated into a tree, kept every product of a sub-block live at once and spilled them to the
 // stack (AVX2 has 16 vector registers).
