@@ -73,9 +73,12 @@ def test_chat_and_completions_streamed_and_not(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
     prompt = "The cat sat on the mat. The cat sat on the mat. The cat"
-    done = client.completions.create(model=SMOL, prompt=prompt, max_tokens=8, temperature=0)
+    # A fixed draft size: a cost curve cached under load (other tests running) may price every draft out here
+    fixed = {"num_draft_tokens": 4}
+    done = client.completions.create(model=SMOL, prompt=prompt, max_tokens=8, temperature=0, extra_body=fixed)
     assert done.object == "text_completion" and 0 < done.usage.completion_tokens <= 8
-    pieces = list(client.completions.create(model=SMOL, prompt=prompt, max_tokens=8, temperature=0, stream=True))
+    pieces = list(client.completions.create(model=SMOL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                            extra_body=fixed))
     assert "".join(c.choices[0].text for c in pieces) == done.choices[0].text
     assert pieces[-1].choices[0].finish_reason == done.choices[0].finish_reason
     assert done.usage.speculative["accepted_tokens"] > 0  # n-gram drafting finds the repeated phrase

@@ -275,7 +275,7 @@ LinearWork decode_attention_work(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                               std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras) {
+                            std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras) {
   return run_alone(decode_attention_work(q, k_cache, v_cache, spans, extras));
 }
 
@@ -285,14 +285,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // no fused multiply-add), writes k and v into cache slots [start, start + T) of k_cache, v_cache [B, Hkv, S, D]
 // (float32) with start = slots[0] (rope_store_at: given), and returns q rotated as [B, H, T, D], the layout decode_attention reads.
 at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                         at::Tensor& v_cache, const at::Tensor& slots) {
+                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slots) {
   return rope_store_at(q, k, v, cos, sin, k_cache, v_cache, slots.data_ptr<int64_t>()[0]);
 }
 
 at::Tensor rope_store_at(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                            at::Tensor& v_cache, int64_t start) {
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                         at::Tensor& v_cache, int64_t start) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &k_cache, &v_cache})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "rope_store takes contiguous float32");
   const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3), Hkv = k.size(2), S = k_cache.size(2);

@@ -101,16 +101,16 @@ inline void run_channel_groups(int64_t first, int64_t last, int64_t M, int64_t N
 at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh,
-                           const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
-                           const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t S, int64_t G);
+                        const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
+                        const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t S, int64_t G);
 std::vector<at::Tensor> repack_c16(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& scales,
-                                      const at::Tensor& mins, const at::Tensor& d, const at::Tensor& dmin,
-                                      int64_t bits, int64_t G);
+                                   const at::Tensor& mins, const at::Tensor& d, const at::Tensor& dmin,
+                                   int64_t bits, int64_t G);
 at::Tensor linear_c16(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi,
-                         const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d,
-                         const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t G);
+                      const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d,
+                      const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t G);
 std::vector<at::Tensor> repack_c16_legacy(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& d,
-                                             const at::Tensor& dmin, int64_t bits, bool with_m);
+                                          const at::Tensor& dmin, int64_t bits, bool with_m);
 // Rows from which a Q4_K or Q6_K layer's forward runs on AMX tile products (bit-identical rows), or 0 where it does not:
 // no AMX in this build or this CPU, the system refused the tile state, or SPECDECODE_AMX=0.
 int64_t amx_min_rows();
@@ -123,8 +123,8 @@ LinearWork linear_c16_legacy_work(const at::Tensor& x, const at::Tensor& codes, 
                                   const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& bias,
                                   int64_t bits, int64_t offset, QuantizedActs& acts);
 at::Tensor linear_c16_legacy(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& hi,
-                                const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& bias,
-                                int64_t bits, int64_t offset);
+                             const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& bias,
+                             int64_t bits, int64_t offset);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // g = silu(g) * u over rows [0, M) and channels [c0, c1) (multiples of 8) of [M, N] float32 arrays: every value by
 // one fixed sequence of operations (the MLP of the native layers and of model.py's loop on the CPU both call it).
@@ -136,7 +136,7 @@ int64_t decode_attention_units(int64_t rows, int64_t kv_heads);  // for one sequ
 LinearWork decode_attention_work(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                               std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras);
+                            std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras);
 
 at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<at::Tensor> top1_probs(const at::Tensor& x);
@@ -145,11 +145,11 @@ void mask_disallowed(at::Tensor& logits, const at::Tensor& bits);
 at::Tensor nucleus_probs(const at::Tensor& logits, double temperature, double top_p);
 at::Tensor draw_rows(const at::Tensor& weights, const at::Tensor& u);
 at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                         at::Tensor& v_cache, const at::Tensor& slots);
+                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slots);
 at::Tensor rope_store_at(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                            at::Tensor& v_cache, int64_t start);
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                         at::Tensor& v_cache, int64_t start);
 
 // Profiling of the native decoder layer (layer_cpu.cpp): per-stage wall time while on, and the cost of one empty
 // parallel region.

@@ -230,7 +230,7 @@ std::vector<at::Tensor> run_linears(const at::Tensor& x, const std::vector<const
 }
 
 at::Tensor DecoderLayer::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                    const DecodeRows& rows) const {
+                                 const DecodeRows& rows) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [T, d] float32");
   const int64_t T = x.size(0);
   Laps laps;
@@ -294,7 +294,7 @@ std::vector<StagePlan> DecoderLayer::plan() const {
 }
 
 at::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const at::Tensor& x, const at::Tensor& cos,
-                                       const at::Tensor& sin, const DecodeRows& rows) const {
+                                    const at::Tensor& sin, const DecodeRows& rows) const {
   Laps laps;
   const auto h = rms_norm(x, input_norm, eps);
   laps.mark(0);
@@ -342,7 +342,7 @@ at::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const at::Tensor&
 }
 
 at::Tensor DecoderStack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                    const DecodeRows& rows, const std::vector<int64_t>& features) const {
+                                 const DecodeRows& rows, const std::vector<int64_t>& features) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [T, d] float32");
   std::vector<at::Tensor> captured;
   auto h = x;

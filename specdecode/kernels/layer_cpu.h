@@ -54,12 +54,12 @@ struct DecoderLayer {
 
   // x [T, d] float32, the rows of every segment; cos, sin [T, head_dim] -> the layer's output [T, d]
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                        const DecodeRows& rows) const;
+                     const DecodeRows& rows) const;
   // The same, as the lead of a team that runs stages [stage, stage + kStages) of its forward (team_cpu.h): every
   // linear layer on a 16-channel kernel.
   static constexpr int64_t kStages = 5;  // q k v, attention, o, gate up, down
   at::Tensor forward_in(Team& team, int64_t stage, const at::Tensor& x, const at::Tensor& cos,
-                           const at::Tensor& sin, const DecodeRows& rows) const;
+                        const at::Tensor& sin, const DecodeRows& rows) const;
   // Those stages' units and weights (attention's units depend on the rows: 0 here); they point into this layer.
   std::vector<StagePlan> plan() const;
   bool in_team() const;
@@ -75,7 +75,7 @@ struct DecoderStack {
   // x [T, d] float32 (the embedded rows) -> the final hidden states [T, d], then the inputs of the layers
   // `features` (an EAGLE head's features) along the last dimension: [T, d * (1 + features)]
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                        const DecodeRows& rows, const std::vector<int64_t>& features) const;
+                     const DecodeRows& rows, const std::vector<int64_t>& features) const;
 
   // Whether every layer runs in the team, and the layers' stage plans: made on the first forward (and again if
   // this object moved: the plans point into it).

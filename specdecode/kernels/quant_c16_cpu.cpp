@@ -65,8 +65,8 @@ inline void row_codes(const uint8_t* qs, const uint8_t* qh, int bits, int64_t K,
 // move as one word (byte-wise masks and shifts that carry nothing across bytes): a load of the target repacks its
 // ~1 GB of blocks at every start.
 std::vector<at::Tensor> repack_c16(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& scales,
-                                      const at::Tensor& mins, const at::Tensor& d, const at::Tensor& dmin,
-                                      int64_t bits, int64_t G) {
+                                   const at::Tensor& mins, const at::Tensor& d, const at::Tensor& dmin,
+                                   int64_t bits, int64_t G) {
   using specdecode::load_word;
   using specdecode::store_word;
   const int64_t N = d.size(0), nsb = d.size(1), K = nsb * 256, ng = N / 16, nsub = 256 / G;
@@ -765,8 +765,8 @@ int64_t amx_min_rows() { return kAmxKernel && amx_wanted.load() && amx_granted()
 void set_amx(bool on) { amx_wanted.store(on); }
 
 at::Tensor linear_c16(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi,
-                         const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d,
-                         const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t G) {
+                      const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d,
+                      const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t G) {
   QuantizedActs acts;
   return run_alone(linear_c16_work(x, lo, hi, sc, mn, d, dmin, bias, bits, G, acts));
 }

@@ -27,7 +27,7 @@
 // Row layout (blocks.py: 32-code nibble runs, bit planes; Q8_0 signed bytes) -> the channel layout above. Four codes
 // of a channel move as one word, as quant_c16_cpu.cpp's repack does.
 std::vector<at::Tensor> repack_c16_legacy(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& d,
-                                             const at::Tensor& dmin, int64_t bits, bool with_m) {
+                                          const at::Tensor& dmin, int64_t bits, bool with_m) {
   using specdecode::load_word;
   using specdecode::store_word;
   const int64_t N = d.size(0), nb = d.size(1), K = nb * 32, ng = N / 16;
@@ -321,8 +321,8 @@ LinearWork linear_c16_legacy_work(const at::Tensor& x, const at::Tensor& codes, 
 }
 
 at::Tensor linear_c16_legacy(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& hi,
-                                const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& bias,
-                                int64_t bits, int64_t offset) {
+                             const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& bias,
+                             int64_t bits, int64_t offset) {
   QuantizedActs acts;
   return run_alone(linear_c16_legacy_work(x, codes, hi, d, dmin, bias, bits, offset, acts));
 }

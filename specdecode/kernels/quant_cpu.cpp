@@ -376,8 +376,8 @@ const uint8_t* bytes_or_null(const at::Tensor& t) {
 }  // namespace
 
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh,
-                           const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
-                           const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t S, int64_t G) {
+                        const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
+                        const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t S, int64_t G) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
   TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.is_contiguous(), "d: float16 [N, K / S]");
   const int64_t M = x.size(0), K = x.size(1), N = d.size(0);
