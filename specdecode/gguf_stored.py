@@ -25,8 +25,8 @@ from tqdm import tqdm
 from specdecode import hub
 from specdecode.blocks import FORMATS, PackedWeight, from_gguf, with_rows
 from specdecode.errors import SpecdecodeError
-from specdecode.weights import (conversion_prefix, gguf_config, gguf_tokenizer, guard_gguf, read_config,
-                                read_tokenizer, same_vocabulary_files, write_folder)  # fmt: skip
+from specdecode.weights import (conversion_prefix, gguf_config, gguf_tokenizer, guard_gguf, one_gguf_parse,
+                                read_config, read_tokenizer, same_vocabulary_files, write_folder)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +94,16 @@ def load_stored(gguf: Path, cache: Path | None = None, tokenizer_like: Any = Non
 
 def unpack_gguf(gguf: Path, out: Path) -> None:
     """Read every tensor of `gguf`, unpack the blocks, map the names, and write the cache folder `out`."""
-    from gguf import GGUFReader
+    with one_gguf_parse():
+        _unpack_gguf(gguf, out)
+
+
+def _unpack_gguf(gguf: Path, out: Path) -> None:
+    import gguf as gguf_package  # its reader looked up at the call: shared within one_gguf_parse
     from gguf.quants import dequantize
 
     config, skeleton = gguf_config(gguf)
-    reader = guard_gguf(gguf, lambda: GGUFReader(gguf))
+    reader = guard_gguf(gguf, lambda: gguf_package.GGUFReader(gguf))
     permute = _llama_permutation(config) if config.model_type in ("llama", "mistral") else {}
     tensors: dict[str, Tensor] = {}
     formats: dict[str, str] = {}

@@ -23,7 +23,9 @@ import re
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -114,8 +116,39 @@ def converted_dir(gguf: Path, dtype: torch.dtype, cache: Path | None = None) -> 
     return (cache or hub.cache_dir()) / "converted" / f"{conversion_prefix(gguf)}{_dtype_name(dtype)}"
 
 
+_ONE_PARSE = threading.Lock()
+
+
+@contextmanager
+def one_gguf_parse() -> Iterator[None]:
+    """While a GGUF file is converted, every reader of it shares one parse of its metadata: ours, and the ones
+    transformers' config and tokenizer loaders construct for themselves. A 151k-token vocabulary with its merges
+    took ~12-15 s a parse on 2 cores, three times per file. Conversions run one at a time under it."""
+    import gguf
+
+    with _ONE_PARSE:
+        plain, parsed = gguf.GGUFReader, {}
+
+        def shared(path, mode="r"):
+            key = (str(Path(path).resolve()), mode)
+            if key not in parsed:
+                parsed[key] = plain(path, mode)
+            return parsed[key]
+
+        gguf.GGUFReader = shared  # transformers imports it by name inside its loader, at each call
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = plain
+
+
 def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype) -> None:
     """De-quantize `gguf` into an HF folder at `out` (config.json, model.safetensors, tokenizer), atomically."""
+    with one_gguf_parse():
+        _convert_gguf(gguf, out, dtype)
+
+
+def _convert_gguf(gguf: Path, out: Path, dtype: torch.dtype) -> None:
     # Imported here: the legacy GGUF loader pulls in the gguf package, which folder sources never need.
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

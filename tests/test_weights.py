@@ -204,6 +204,23 @@ def test_gguf_second_load_reads_the_cache(tiny_gguf: Path, tmp_path: Path, monke
     assert weights.load_tokenizer(str(tiny_gguf), cache=tmp_path).chat_template == CHAT_TEMPLATE
 
 
+def test_a_conversion_parses_the_file_once(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdecode.gguf_stored import load_stored
+
+    made: list[str] = []
+    plain = gguf.GGUFReader
+
+    class Counted(plain):  # ours, and the readers transformers' config and tokenizer loaders construct
+        def __init__(self, path, *args, **kwargs) -> None:
+            made.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    load_stored(tiny_gguf, tmp_path / "stored")
+    weights.load_checkpoint(str(tiny_gguf), torch.float32, cache=tmp_path / "float")
+    assert len(made) == 2 and gguf.GGUFReader is Counted  # one parse per conversion; the reader put back
+
+
 def test_a_draft_with_the_targets_vocabulary_files_shares_its_tokenizer(tiny_gguf: Path, tmp_path: Path) -> None:
     from specdecode.gguf_stored import load_stored, stored_dir
 
