@@ -73,7 +73,7 @@ def test_chat_and_completions_streamed_and_not(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
     prompt = "The cat sat on the mat. The cat sat on the mat. The cat"
-    # A fixed draft size: a cost curve cached under load (other tests running) may price every draft out here
+    # A fixed draft size: a cost curve measured under load (other tests running) may price every draft out
     fixed = {"num_draft_tokens": 4}
     done = client.completions.create(model=SMOL, prompt=prompt, max_tokens=8, temperature=0, extra_body=fixed)
     assert done.object == "text_completion" and 0 < done.usage.completion_tokens <= 8
@@ -198,8 +198,9 @@ def test_predicted_outputs_give_the_same_answer_and_count_the_prediction(client)
     prompt = "Rewrite with the variable renamed to total:\n\ncount = 0\nfor x in items:\n    count += x\n"
     plain = client.completions.create(model=SMOL, prompt=prompt, max_tokens=40, temperature=0)
     text = plain.choices[0].text
-    predicted = client.completions.create(model=SMOL, prompt=prompt, max_tokens=40, temperature=0,
-                                          extra_body={"prediction": {"type": "content", "content": text}})
+    # a fixed draft size, as above: a cost curve cached under load may price every draft out
+    predicted = client.completions.create(model=SMOL, prompt=prompt, max_tokens=40, temperature=0, extra_body={
+        "prediction": {"type": "content", "content": text}, "num_draft_tokens": 8})
     assert predicted.choices[0].text == text
     details = predicted.usage.completion_tokens_details
     assert details.accepted_prediction_tokens > 0.7 * plain.usage.completion_tokens
