@@ -16,7 +16,7 @@ from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig, runs_natively
 from specdecode.errors import SpecdecodeError
 from specdecode.hf_model import HFModel
 from specdecode.kernels import cpu_flags, cpu_kernels
-from specdecode.model import Transformer, rope_inv_freq
+from specdecode.model import Transformer
 from specdecode.quantize import apply_packed_, quantize_, resolve_mode
 from specdecode.token_bridge import TokenBridge
 from specdecode.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
@@ -139,7 +139,6 @@ def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str) -
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing:
         raise SpecdecodeError(f"checkpoint lacks {len(missing)} weights (first: {missing[0]}): the file is incomplete")
-    model.inv_freq = rope_inv_freq(config)  # buffers built on the meta device hold no values
     return model.to(device).eval()
 
 
@@ -163,7 +162,6 @@ def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None) -> tuple[Trans
     apply_packed_(model, packed)
     if missing := [name for name, p in model.named_parameters() if p.is_meta]:
         raise SpecdecodeError(f"{gguf.name} lacks {len(missing)} weights (first: {missing[0]}): the file is incomplete")
-    model.inv_freq = rope_inv_freq(config)
     return model.eval(), ckpt.tokenizer
 
 

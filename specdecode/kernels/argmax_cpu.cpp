@@ -4,7 +4,6 @@
 // independent chains), then the first index holding it. Same answer as torch: the first index on ties. A row holding
 // a NaN answers -1, and the caller asks torch (which counts NaN as the largest).
 #include "aten_lite.h"
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>

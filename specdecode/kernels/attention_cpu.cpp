@@ -8,7 +8,6 @@
 // whose ancestors sit at scattered slots thus runs exactly the operations a one-token forward of its path runs
 // over contiguous slots. Grouped-query attention: head h reads KV head h / (H / Hkv). Returns [B, H, T, D] float32.
 #include "aten_lite.h"
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>

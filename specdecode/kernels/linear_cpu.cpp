@@ -13,7 +13,6 @@
 //
 // Weight formats: fp32, float32 [N, K]; bf16, uint16 [N, K], the upper half of a float32.
 #include "aten_lite.h"
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>

@@ -3,7 +3,6 @@
 // operations). Each row is reduced in one fixed order (eight lanes, then the fixed horizontal sum), whatever the
 // number of rows, so rows stay bit-identical to one-row calls.
 #include "aten_lite.h"
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>

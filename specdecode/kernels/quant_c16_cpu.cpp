@@ -22,7 +22,6 @@
 // Every output y[m, n] is reduced in one fixed order (superblocks in order, integer sums exact), whatever M is, so
 // rows are bit-identical to one-row calls.
 #include "aten_lite.h"
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <sys/syscall.h>

@@ -12,7 +12,6 @@
 // (sum of code * x minus OFF * sum of x), exactly, before the one float multiply-add per block and row.
 // Activations: int8 per block of 32 (the row kernel's rounding), their scale, and the sum of their codes.
 #include "aten_lite.h"
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>

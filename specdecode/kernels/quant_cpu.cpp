@@ -21,7 +21,6 @@
 // Work per 256 weights and activation row (the cost of every extra row in a verify forward): K-quants load,
 // multiply-accumulate and scale 4 (AVX-512) or 8 vectors, plus one vpmaddwd for all the min terms at once.
 #include "aten_lite.h"
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>

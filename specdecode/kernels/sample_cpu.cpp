@@ -3,7 +3,6 @@
 // second softmax) and a draw ~1 ms (a count of the non-zero weights, a top-k of them, a cumulative sum): ~12 ms of
 // a sampled speculative step that verifies five rows. Here a row is read a few times and written twice.
 #include "aten_lite.h"
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
