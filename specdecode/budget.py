@@ -63,6 +63,11 @@ class CostCurve:
 IN_USE_WINDOW = 24  # a size's most recent in-use times whose median stands for it
 IN_USE_MIN = 4  # in-use times a size needs before its median replaces the measured value
 SAVE_EVERY = 32  # median updates between write-backs of the in-use curve (and whenever a size is first priced)
+# Until two rows are timed in use, they are priced at most this many one-row forwards. A measurement taken while
+# the machine was busy priced them at 1.6-2.4x one row (cached curves of this project's tests), where quiet
+# measurements give 1.0-1.2x on every CPU measured: no draft then paid, none was verified, and two rows were never
+# timed to correct it. At 1.25x a first draft token the drafter rates an even bet gets verified and timed.
+SECOND_ROW_PRIOR = 1.25
 
 
 class InUseCurve:
@@ -106,11 +111,11 @@ class InUseCurve:
         nearest known sizes (interpolated between them): a request that always drafts never times one row, and
         its C(1) then follows C(2), not the far end of the curve.
 
-        `explore`: the size just past the largest known one is priced no dearer than the row before it added.
-        A measurement taken while the machine was busy can price the larger sizes far too high (seen: 3 rows
-        at 1.8x one, where they cost 1.3x), and a size the planner never verifies is never timed. This way the
-        next size gets tried and timed, and the curve climbs to the sizes that pay. Only the timed curve is
-        written back."""
+        `explore`: the size just past the largest known one is priced no dearer than the row before it added
+        (two rows, after one: no dearer than SECOND_ROW_PRIOR one-row forwards). A measurement taken while the
+        machine was busy can price the larger sizes far too high (seen: 3 rows at 1.8x one, where they cost
+        1.3x), and a size the planner never verifies is never timed. This way the next size gets tried and
+        timed, and the curve climbs to the sizes that pay. Only the timed curve is written back."""
         measured = self.measured.seconds
         known = sorted(self.medians)
         ratio = {m: self.medians[m] / measured[m - 1] for m in known}
@@ -127,7 +132,9 @@ class InUseCurve:
                 else:
                     r = ratio[below] + (ratio[above] - ratio[below]) * (m - below) / (above - below)
                 at = measured_s * r
-                if m == next_try and m >= 3:  # the last row's price again
+                if m == next_try == 2:
+                    at = min(at, SECOND_ROW_PRIOR * seconds[0])
+                elif m == next_try:  # the last row's price again
                     at = min(at, 2 * seconds[-1] - seconds[-2])
             floor = max(floor, at)  # more rows never cost less
             seconds.append(floor)

@@ -69,6 +69,20 @@ def test_a_size_priced_too_dear_by_a_busy_measurement_gets_tried_and_timed():
     assert curve.cost(4) == pytest.approx(2.9) and curve.cost(5) == pytest.approx(2.8 * 2.9 / 2.4)
 
 
+def test_two_rows_priced_out_by_a_busy_measurement_get_tried_after_one_row_is_timed():
+    # Measured under load: two rows at 2.4x one, so no draft pays and only one-row forwards are ever timed.
+    in_use = InUseCurve(CostCurve((1.0, 2.4, 3.0, 3.5)), min_times=2)
+    for seconds in (0.8, 0.8):
+        curve = in_use.observe(1, seconds)
+    assert curve.cost(2) == pytest.approx(0.8 * budget.SECOND_ROW_PRIOR) and curve.cost(3) == pytest.approx(2.4)
+    assert in_use._curve(explore=False).cost(2) == pytest.approx(2.4 * 0.8)  # the guess is not written back
+    for seconds in (0.88, 0.88):  # tried and timed: the climb goes on from there
+        curve = in_use.observe(2, seconds)
+    assert curve.cost(2) == pytest.approx(0.88) and curve.cost(3) == pytest.approx(0.96)
+    quiet = InUseCurve(CostCurve((1.0, 1.1, 1.3)), min_times=1)
+    assert quiet.observe(1, 1.0).cost(2) == pytest.approx(1.1)  # a cheaper measured price stands
+
+
 def test_measure_is_monotone_and_cached(tmp_path, monkeypatch):
     model = tiny_native("qwen2", seed=0)
     calls = []

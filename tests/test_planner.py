@@ -18,6 +18,14 @@ def test_fast_one_token_forwards_do_not_talk_the_chooser_out_of_drafting():
     assert best_count(curve, scores) == 2
 
 
+def test_a_curve_measured_on_a_busy_machine_does_not_stop_drafting_for_good():
+    planner = Planner(CostCurve((1.0, 2.5, 3.5, 4.5)))  # measured under load: no draft pays
+    assert best_count(planner.costs, [0.6]) == 0
+    for _ in range(4):  # so every step decodes one row, and that is all the engine times
+        planner.observe(1, 1.0)
+    assert best_count(planner.costs, [0.6]) == 1  # a likely first draft token is verified, and two rows timed
+
+
 def test_verify_forwards_dearer_in_use_than_measured_shrink_the_draft():
     measured = CostCurve((1.0, 1.05, 1.1, 1.15))  # a quiet moment's curve: nodes look nearly free
     scores = [0.5, 0.3, 0.2]

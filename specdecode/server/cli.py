@@ -10,7 +10,6 @@ import sys
 
 from specdecode.cli_args import add_model_args, decoder_kwargs, load_decoder
 from specdecode.errors import SpecdecodeError
-from specdecode.server.access import read_key_file
 from specdecode.server.settings import ServerSettings
 
 
@@ -64,6 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from specdecode.server.access import read_key_file  # here: the web stack costs every other command 0.3 s
+
     if args.replicas < 1:
         raise SpecdecodeError(f"--replicas must be >= 1, got {args.replicas}")
     if not args.drain_timeout >= 0:
