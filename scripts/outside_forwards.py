@@ -5,10 +5,12 @@ their own. This script wraps only the two models' `forward_parts`: what is left 
 excluded) is what the engine, the drafters and the text layer spend outside the forwards, per step and per step
 or draft forward (a draft forward brings its own tree growth and bookkeeping).
 
-    python scripts/outside_forwards.py --method draft --passes 2
+    python scripts/outside_forwards.py --method draft
     PYTHONPATH=/path/to/other/checkout python scripts/outside_forwards.py   # the same for another commit
 
-The dev prompts (2 per set) run once to warm up, then `--passes` times measured.
+Two other prompts per dev set run first to warm up (warmed up on the measured ones, the suffix drafter would copy
+their answers whole), then the first two per set `--passes` times, measured. Passes after the first see their
+own answers in the suffix pool: `--passes 1` for what a new prompt gets.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def main() -> None:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--method", default="draft")
-    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--passes", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
     sd = SpecDecoder.load(args.target, draft=args.draft, method=args.method)
@@ -63,7 +65,7 @@ def main() -> None:
     target = ForwardClock(sd.engine.target, is_target=True)
     model = getattr(sd.engine.drafter, "forward_model", None)
     draft = ForwardClock(model, is_target=False) if model is not None else None
-    for text in texts:
+    for _, text in prompts(2, skip=2):
         sd.generate(text, params, chat=True)
     for _ in range(args.passes):
         target.reset()

@@ -289,14 +289,15 @@ def instrument(sd: SpecDecoder, timer: SelfTimer) -> None:
     timer.wrap(TokenBridge, "to_target", "token mapping")
 
 
-def prompts(limit: int, data: Path = DATA) -> list[tuple[str, str]]:
-    """(set, text) of the first `limit` prompts of each dev set under `data` (MT-Bench: the first turn)."""
+def prompts(limit: int, data: Path = DATA, skip: int = 0) -> list[tuple[str, str]]:
+    """(set, text) of `limit` prompts of each dev set under `data` after its first `skip` (MT-Bench: the first
+    turn)."""
     out = []
     for name in ("humaneval_dev.jsonl", "mt_bench.jsonl", "gsm8k_dev.jsonl"):
         path = data / name
         if not path.exists():
             continue
-        for line in path.read_text().splitlines()[:limit]:
+        for line in path.read_text().splitlines()[skip : skip + limit]:
             row = json.loads(line)
             text = row.get("prompt") or row.get("question") or (row.get("turns") or [""])[0]
             out.append((name.split("_")[0].split(".")[0], text))
@@ -304,10 +305,11 @@ def prompts(limit: int, data: Path = DATA) -> list[tuple[str, str]]:
 
 
 def step_profile(sd: SpecDecoder, args) -> dict:
-    """Every prompt once to warm up (its kernels, its draft cache sizes), then again instrumented."""
+    """Other prompts of the same sets to warm up (kernels, draft cache sizes), then these instrumented: warmed
+    up on the measured prompts, the suffix drafter would copy their whole answers."""
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     texts = [text for _, text in prompts(args.prompts)]
-    for text in texts:
+    for _, text in prompts(args.prompts, skip=args.prompts):
         sd.generate(text, params, chat=True)
     timer = SelfTimer()
     instrument(sd, timer)

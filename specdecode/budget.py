@@ -2,7 +2,8 @@
 
 Measured once per model, weights, dtype and machine and cached (a few seconds), then replaced size by size by the
 median of the times the engine sees in use (`InUseCurve`): what a forward costs while the machine does everything
-else a step does, not in a quiet moment. The planner (planner.py) makes every draft-size decision from it. On a
+else a step does, not in a quiet moment. The cache keeps the measured shape; what use teaches the next process is
+the level (how much dearer or cheaper forwards run than measured). The planner (planner.py) makes every draft-size decision from it. On a
 GPU C is flat; on a CPU, where C(8) is 1.1-2.3x C(1), it is not. The engine also needs C at batch sizes (many
 requests' rows, prompt chunks): a few are measured up to 128 rows, and the curve is linear between measured sizes.
 """
@@ -34,7 +35,7 @@ BATCH_SIZES = (32, 64, 128)
 class CostCurve:
     seconds: tuple[float, ...]  # [m - 1]: one target forward over m tokens (after a short cached prefix)
     tail: tuple[tuple[int, float], ...] = ()  # (m, seconds) for batch-sized forwards, m ascending
-    # the cache file it came from: the curve priced in use is written back there for the next process
+    # the cache file it came from: the level of the in-use prices is written back there for the next process
     source: Path | None = field(default=None, compare=False, repr=False)
 
     def cost(self, m: int) -> float:
@@ -66,7 +67,7 @@ SAVE_EVERY = 32  # median updates between write-backs of the in-use curve (and w
 # Until two rows are timed in use, they are priced at most this many one-row forwards. A measurement taken while
 # the machine was busy priced them at 1.6-2.4x one row (cached curves of this project's tests), where quiet
 # measurements give 1.0-1.2x on every CPU measured: no draft then paid, none was verified, and two rows were never
-# timed to correct it. At 1.25x a first draft token the drafter rates an even bet gets verified and timed.
+# timed to correct it. At 1.25x, a first draft token the drafter rates above one in four gets verified and timed.
 SECOND_ROW_PRIOR = 1.25
 
 
@@ -99,12 +100,23 @@ class InUseCurve:
             self.curve = self._curve(explore=True)
             self.updates += 1
             if self.measured.source is not None and (first or self.updates >= SAVE_EVERY):
-                # the next process starts from what this one saw, not from one quiet (or busy) measurement
+                # the next process starts at the level this one saw, not at one quiet (or busy) measurement's
                 if self.label is None:  # the file's own model and machine lines, read once
                     self.label = file_label(self.measured.source)
-                save(self.measured.source, self._curve(explore=False), self.label)  # what was timed, no guess
+                save(self.measured.source, self.leveled(), self.label)
                 self.updates = 0
         return self.curve
+
+    def leveled(self) -> CostCurve:
+        """The measured curve times the median in-use/measured ratio of the sizes timed: what is written back.
+        Not the sizes' own medians: sizes are timed at different moments and contexts (a method that always
+        drafts never times one row; long prompts' forwards are dearer at every size), so their ratios drift
+        from one process to the next. Written back size by size, one row came to be priced at 0.64x three rows
+        on the 2-core AVX2 machine, where it costs 0.86x, and `hybrid` drafted too little (0.92x `none` on the
+        kinds of work against 0.99x with the curve measured again)."""
+        level = statistics.median(self.medians[m] / self.measured.seconds[m - 1] for m in self.medians)
+        return CostCurve(tuple(s * level for s in self.measured.seconds),
+                         tuple((m, s * level) for m, s in self.measured.tail))
 
     def _curve(self, explore: bool) -> CostCurve:
         """Known sizes at their medians; the others at the measured time times the in-use/measured ratio of the
@@ -115,7 +127,7 @@ class InUseCurve:
         (two rows, after one: no dearer than SECOND_ROW_PRIOR one-row forwards). A measurement taken while the
         machine was busy can price the larger sizes far too high (seen: 3 rows at 1.8x one, where they cost
         1.3x), and a size the planner never verifies is never timed. This way the next size gets tried and
-        timed, and the curve climbs to the sizes that pay. Only the timed curve is written back."""
+        timed, and the curve climbs to the sizes that pay. No guess is written back (`leveled`)."""
         measured = self.measured.seconds
         known = sorted(self.medians)
         ratio = {m: self.medians[m] / measured[m - 1] for m in known}
@@ -157,8 +169,8 @@ def machine_key() -> str:
 def curve_path(model_key: str, cache: Path | None = None) -> Path:
     from specdecode.hub import cache_dir
 
-    # v3: decode steps on the native layers; older files are measured again
-    digest = hashlib.sha256(f"v3\n{model_key}\n{machine_key()}".encode()).hexdigest()[:16]
+    # v4: files written back with the measured shape (InUseCurve.leveled); older ones may hold a drifted shape
+    digest = hashlib.sha256(f"v4\n{model_key}\n{machine_key()}".encode()).hexdigest()[:16]
     return (cache or cache_dir()) / "cost-curves" / f"{digest}.json"
 
 
@@ -217,8 +229,8 @@ def load_cached(model_key: str, cache: Path | None = None) -> CostCurve | None:
 
 
 def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None = None) -> CostCurve:
-    """The cached curve for this model on this machine, measured (and saved) on first use; the engine writes its
-    in-use prices back to the same file (InUseCurve)."""
+    """The cached curve for this model on this machine, measured (and saved) on first use; the engine writes the
+    level of its in-use prices back to the same file (InUseCurve.leveled)."""
     cached = load_cached(model_key, cache)
     if cached is not None:
         return cached

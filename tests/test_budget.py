@@ -127,6 +127,25 @@ def test_the_curve_priced_in_use_is_written_back_for_the_next_process(tmp_path, 
     budget.save(blocked / "curve.json", again)  # a cache that cannot be written: no error, nothing lost
 
 
+def test_the_next_process_gets_the_level_seen_in_use_and_the_measured_shape(tmp_path, monkeypatch):
+    model = tiny_native("qwen2", seed=0)
+    monkeypatch.setattr(budget, "measure", lambda target: CostCurve((1.0, 1.1, 1.2, 1.3), tail=((8, 2.0),)))
+    first = budget.load_or_measure(model, "tiny", cache=tmp_path)
+    in_use = InUseCurve(first, min_times=1)
+    in_use.observe(1, 1.3)  # one row timed at one moment (or beside short prompts), three rows at another
+    in_use.observe(3, 1.8)
+    assert in_use.curve.cost(3) / in_use.curve.cost(1) == pytest.approx(1.8 / 1.3)  # this process believes them
+    again = budget.load_or_measure(model, "tiny", cache=tmp_path)
+    level = (1.3 + 1.5) / 2  # the median of the two sizes' in-use/measured ratios
+    assert again.seconds == pytest.approx((level, 1.1 * level, 1.2 * level, 1.3 * level))
+    assert again.tail[0][1] == pytest.approx(2.0 * level)
+    for _ in range(5):  # processes in turn: the shape never drifts from the measurement
+        in_use = InUseCurve(budget.load_or_measure(model, "tiny", cache=tmp_path), min_times=1)
+        in_use.observe(1, 1.3)
+        in_use.observe(3, 1.8)
+    assert budget.load_or_measure(model, "tiny", cache=tmp_path).ratios() == pytest.approx([1.0, 1.1, 1.2, 1.3])
+
+
 def test_batch_sizes_beyond_the_measured_run_interpolate_between_measured_points():
     curve = CostCurve((1.0, 1.1, 1.2), tail=((8, 2.0), (16, 5.0)))
     assert curve.cost(3) == 1.2 and curve.cost(8) == 2.0
