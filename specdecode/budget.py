@@ -3,9 +3,10 @@
 Measured once per model, weights, dtype and machine and cached (a few seconds), then replaced size by size by the
 median of the times the engine sees in use (`InUseCurve`): what a forward costs while the machine does everything
 else a step does, not in a quiet moment. The cache keeps the measured shape; what use teaches the next process is
-the level (how much dearer or cheaper forwards run than measured). The planner (planner.py) makes every draft-size decision from it. On a
-GPU C is flat; on a CPU, where C(8) is 1.1-2.3x C(1), it is not. The engine also needs C at batch sizes (many
-requests' rows, prompt chunks): a few are measured up to 128 rows, and the curve is linear between measured sizes.
+the level (how much dearer or cheaper forwards run than measured). The planner (planner.py) makes every
+draft-size decision from it. On a GPU C is flat; on a CPU, where C(8) is 1.1-2.3x C(1), it is not. The engine
+also needs C at batch sizes (many requests' rows, prompt chunks): a few are measured up to 128 rows, and the curve
+is linear between measured sizes.
 """
 
 from __future__ import annotations
