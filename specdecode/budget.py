@@ -1,6 +1,6 @@
 """What a target forward costs on this machine: the verify cost curve C(m), for a forward over m tokens.
 
-Measured once per model, weights, dtype and machine and cached (a few seconds), then replaced size by size by the
+Measured once per model, weights, dtype and machine and cached (~15 s on 2 cores), then replaced size by size by the
 median of the times the engine sees in use (`InUseCurve`): what a forward costs while the machine does everything
 else a step does, not in a quiet moment. The cache keeps the measured shape; what use teaches the next process is
 the level (how much dearer or cheaper forwards run than measured). The planner (planner.py) makes every
@@ -30,6 +30,9 @@ MAX_MEASURED = 16  # every size up to this is measured (a request's verify forwa
 # Sizes of a batch's forward (many requests, prompt chunks) measured beyond that; between them the curve is
 # linear. A CPU's cost per row grows past the first few dozen rows, so extrapolating from 16 would flatter them.
 BATCH_SIZES = (32, 64, 128)
+# Repeats of those: each is a forward of 0.3-1.5 s on a 2-core CPU, where five repeats made a first measurement
+# take ~24 s instead of ~12, and a long forward's fastest of two is already within a few percent of its fifth.
+BATCH_REPEATS = 2
 
 
 @dataclass(frozen=True)
@@ -180,8 +183,8 @@ def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int
             repeats: int = 5, batch_sizes: tuple[int, ...] = BATCH_SIZES) -> CostCurve:
     """Seconds of a decode-mode target forward over 1..max_tokens tokens, then over each of `batch_sizes`, after
     `prefix` cached tokens (the verify forward the engine runs; attention over a short prefix is a small share).
-    Sizes take turns, so a slow spell of a shared machine hits them all; each keeps its fastest run, and a
-    larger forward is never recorded as cheaper than a smaller one."""
+    Sizes take turns, so a slow spell of a shared machine hits them all; each keeps its fastest run (the batch
+    sizes of the first BATCH_REPEATS turns), and a larger forward is never recorded as cheaper than a smaller one."""
     from specdecode.masks import chain_mask
 
     device = target.device
@@ -192,8 +195,10 @@ def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int
     target(ids[:, :prefix], torch.arange(prefix, device=device)[None], cache, chain_mask(0, prefix, device),
            logits_from=prefix - 1)
     best = [float("inf")] * len(sizes)
-    for _ in range(repeats):
+    for turn in range(repeats):
         for j, m in enumerate(sizes):
+            if m > max_tokens and turn >= BATCH_REPEATS:
+                continue
             cache.truncate(prefix)
             start = time.perf_counter()
             target(ids[:, prefix : prefix + m], torch.arange(prefix, prefix + m, device=device)[None], cache,
@@ -235,7 +240,7 @@ def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None 
     cached = load_cached(model_key, cache)
     if cached is not None:
         return cached
-    print("specdecode: measuring what a verify forward costs on this machine (once, a few seconds)...",
+    print("specdecode: measuring what a verify forward costs on this machine (once, ~15 s on 2 cores)...",
           file=sys.stderr)
     curve = measure(target)
     path = curve_path(model_key, cache)
