@@ -75,7 +75,7 @@ def test_two_rows_priced_out_by_a_busy_measurement_get_tried_after_one_row_is_ti
     for seconds in (0.8, 0.8):
         curve = in_use.observe(1, seconds)
     assert curve.cost(2) == pytest.approx(0.8 * budget.SECOND_ROW_PRIOR) and curve.cost(3) == pytest.approx(2.4)
-    assert in_use._curve(explore=False).cost(2) == pytest.approx(2.4 * 0.8)  # the guess is not written back
+    assert in_use._curve(explore=False).cost(2) == pytest.approx(2.4 * 0.8)  # the trial price is a guess, not a timing
     for seconds in (0.88, 0.88):  # tried and timed: the climb goes on from there
         curve = in_use.observe(2, seconds)
     assert curve.cost(2) == pytest.approx(0.88) and curve.cost(3) == pytest.approx(0.96)

@@ -2,7 +2,6 @@
 #pragma once
 #include "aten_lite.h"
 
-
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>

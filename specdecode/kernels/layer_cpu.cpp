@@ -2,7 +2,6 @@
 // makes, in the same order.
 #include "layer_cpu.h"
 
-
 #include <atomic>
 #include <chrono>
 #include <unistd.h>

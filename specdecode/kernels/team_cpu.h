@@ -15,7 +15,6 @@
 #pragma once
 #include "aten_lite.h"
 
-
 #include <algorithm>
 #include <atomic>
 #include <exception>
