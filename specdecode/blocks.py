@@ -16,8 +16,8 @@ of high bits); nothing is rounded, so the weights are exactly the file's, at abo
   Q5_K   5     256         32     d, dmin, 6-bit scale and min        d * scale * code - dmin * min
   Q6_K   6     256         16     d, int8 scale                       d * scale * code - (32 d) * scale
 
-`quantize_float` writes a float tensor in Q8_0 or Q4_K, so `--quantize` of a float checkpoint runs on the same
-kernels. `PackedWeight.dequantize` is the plain reference every kernel path is tested against.
+`quantize_float` writes a float tensor in Q8_0, Q4_0 or Q4_K, so `--quantize` of a float checkpoint runs on the
+same kernels (and a draft model's wider blocks can be written again in fewer bits: `narrowed`). `PackedWeight.dequantize` is the plain reference every kernel path is tested against.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class BlockFormat:
     sub_scales: bool
     has_min: bool
     block_bytes: int  # bytes of one superblock in a GGUF file
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.block_bytes * 8 / self.superblock
 
 
 FORMATS = {
@@ -213,7 +217,7 @@ def from_gguf(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Packed
 
 
 def quantize_float(w: Tensor, name: str) -> PackedWeight:
-    """A float [out, in] weight written in Q8_0 or Q4_K (in % superblock == 0), for `--quantize`."""
+    """A float [out, in] weight written in Q8_0, Q4_0 or Q4_K (in % superblock == 0), for `--quantize`."""
     fmt = FORMATS[name]
     out, inp = w.shape
     w = w.detach().float().numpy()
@@ -222,8 +226,18 @@ def quantize_float(w: Tensor, name: str) -> PackedWeight:
         d = (np.abs(groups).max(-1) / 127).astype(np.float16)
         inv = np.where(d > 0, 1 / np.maximum(d.astype(np.float32), 1e-30), 0)
         return pack(fmt, np.clip(np.rint(groups * inv[..., None]), -127, 127).reshape(out, inp), d)
+    if name == "q4_0":
+        # symmetric, as llama.cpp writes it: the value of largest magnitude lands on code 0 (-8 d), so the grid
+        # spends its one extra step on that value's side
+        groups = w.reshape(out, inp // 32, 32)
+        extreme = np.take_along_axis(groups, np.abs(groups).argmax(-1)[..., None], -1)[..., 0]  # [out, blocks]
+        d = (extreme / -8).astype(np.float16)
+        d32 = d.astype(np.float32)
+        inv = np.divide(1, d32, out=np.zeros_like(d32), where=d32 != 0)
+        codes = np.clip(np.floor(groups * inv[..., None] + 8.5), 0, 15)
+        return pack(fmt, codes.reshape(out, inp), d, d * np.float16(8))
     if name != "q4_k":
-        raise ValueError(f"quantize_float writes q8_0 or q4_k, not {name}")
+        raise ValueError(f"quantize_float writes q8_0, q4_0 or q4_k, not {name}")
     groups = w.reshape(out, inp // 256, 8, 32)
     low = np.minimum(groups.min(-1), 0)  # Q4_K's min is subtracted: the grid starts at or below zero
     step, floor = (groups.max(-1) - low) / 15, -low  # [out, blocks, 8]
@@ -236,6 +250,15 @@ def quantize_float(w: Tensor, name: str) -> PackedWeight:
     codes = np.rint((groups + offset[..., None]) / np.maximum(unit, 1e-30)[..., None])
     codes = np.clip(np.where(unit[..., None] > 0, codes, 0), 0, 15)
     return pack(fmt, codes.reshape(out, inp), d, dmin, scales.reshape(out, -1), mins.reshape(out, -1))
+
+
+def narrowed(packed: PackedWeight, name: str) -> PackedWeight:
+    """`packed` written again in `name`'s blocks where it is stored in more bits per weight and its input dimension
+    is a whole number of `name`'s superblocks; else `packed` itself. For a draft model: fewer bytes per guess."""
+    fmt = FORMATS[name]
+    if packed.format.bits_per_weight <= fmt.bits_per_weight or packed.shape[1] % fmt.superblock:
+        return packed
+    return quantize_float(packed.dequantize(), name)
 
 
 def with_rows(packed: PackedWeight, order: Tensor) -> PackedWeight:

@@ -51,12 +51,14 @@ def add_weight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=["auto", "stored", "float"],
                    help="stored: run a GGUF file's quantized blocks as they are (CPU kernel); float: de-quantize "
                         "to --dtype (auto: stored for GGUF files on CPU)")
-    p.add_argument("--quantize", default="none", choices=["none", "q8_0", "q4_k", "int8", "int4"],
+    p.add_argument("--quantize", default="none", choices=["none", "q8_0", "q4_0", "q4_k", "int8", "int4"],
                    help="write a float target's weights in blocks (int8 = q8_0, int4 = q4_k); the output is "
                         "exact for that target")
-    p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "q8_0", "q4_k", "int8", "int4"],
-                   help="blocks for a float draft model: changes speed only, never the output "
-                        "(auto: a GGUF draft as stored, a float one in q8_0 on CPU)")
+    p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_k", "int8", "int4"],
+                   help="blocks for the draft model: changes speed only, never the output. A float draft is "
+                        "written in them; a GGUF draft's layers stored in more bits per weight are written again "
+                        "in them, once, cached (auto: q4_0 for a GGUF draft, q8_0 for a float one, on CPU; none: "
+                        "a GGUF draft as stored)")
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_HEAD_SIZE, metavar="N",
                    help="the draft model's LM head scores only the N most frequent tokens (cheaper drafts, same "
                         "output); 0 = the whole vocabulary")

@@ -5,6 +5,9 @@ cached with the config and tokenizer as a folder `<cache>/converted/<stem>-<key>
 read ~1 GB from disk and parse nothing. Norms and biases stay float32. Tensor names are mapped to Hugging Face's,
 so the native model takes them like any checkpoint. Block types the kernel does not run (Q2_K, Q3_K, IQ*, ...)
 are de-quantized to float32, with a warning naming the type.
+
+A draft model's linear layers can be written again in fewer bits per weight at that step (`narrow`, e.g. 'q4_0':
+blocks.narrowed): its guesses then read fewer bytes, and never change the output. Such a folder is cached apart.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specdecode import hub
-from specdecode.blocks import FORMATS, PackedWeight, from_gguf, with_rows
+from specdecode.blocks import FORMATS, PackedWeight, from_gguf, narrowed, with_rows
 from specdecode.errors import SpecdecodeError
 from specdecode.weights import (conversion_prefix, gguf_config, gguf_tokenizer, guard_gguf, one_gguf_parse,
                                 read_config, read_tokenizer, same_vocabulary_files, write_folder)  # fmt: skip
@@ -60,17 +63,20 @@ class StoredCheckpoint:
     tokenizer: Any
 
 
-def stored_dir(gguf: Path, cache: Path | None = None) -> Path:
-    return (cache or hub.cache_dir()) / "converted" / f"{conversion_prefix(gguf)}as-stored-v{LAYOUT}"
+def stored_dir(gguf: Path, cache: Path | None = None, narrow: str = "none") -> Path:
+    form = "as-stored" if narrow == "none" else f"narrowed-{narrow}"
+    return (cache or hub.cache_dir()) / "converted" / f"{conversion_prefix(gguf)}{form}-v{LAYOUT}"
 
 
-def load_stored(gguf: Path, cache: Path | None = None, tokenizer_like: Any = None) -> StoredCheckpoint:
+def load_stored(gguf: Path, cache: Path | None = None, tokenizer_like: Any = None,
+                narrow: str = "none") -> StoredCheckpoint:
     """The GGUF file's weights as stored (unpacked and cached on first use). `tokenizer_like`: a tokenizer already
     loaded (the target's, for its draft), which is this file's too when its vocabulary files are the same bytes:
-    reading a second copy costs ~1.5 s of a start."""
-    folder = stored_dir(gguf, cache)
+    reading a second copy costs ~1.5 s of a start. `narrow`: a block type for the linear layers stored in more bits
+    per weight ('none': every block as stored)."""
+    folder = stored_dir(gguf, cache, narrow)
     if not folder.is_dir():
-        unpack_gguf(gguf, folder)
+        unpack_gguf(gguf, folder, narrow)
     floats: dict[str, Tensor] = {}
     fields: dict[str, dict[str, Tensor]] = {}
     with safe_open(folder / "model.safetensors", "pt") as file:
@@ -92,13 +98,13 @@ def load_stored(gguf: Path, cache: Path | None = None, tokenizer_like: Any = Non
     return StoredCheckpoint(read_config(folder), floats, packed, tokenizer_like)
 
 
-def unpack_gguf(gguf: Path, out: Path) -> None:
+def unpack_gguf(gguf: Path, out: Path, narrow: str = "none") -> None:
     """Read every tensor of `gguf`, unpack the blocks, map the names, and write the cache folder `out`."""
     with one_gguf_parse():
-        _unpack_gguf(gguf, out)
+        _unpack_gguf(gguf, out, narrow)
 
 
-def _unpack_gguf(gguf: Path, out: Path) -> None:
+def _unpack_gguf(gguf: Path, out: Path, narrow: str) -> None:
     import gguf as gguf_package  # its reader looked up at the call: shared within one_gguf_parse
     from gguf.quants import dequantize
 
@@ -119,6 +125,8 @@ def _unpack_gguf(gguf: Path, out: Path) -> None:
             packed = guard_gguf(gguf, lambda: from_gguf(type_name, t.data, shape))
             if kind in permute:
                 packed = with_rows(packed, permute[kind])
+            if narrow != "none" and name != "model.embed_tokens.weight":  # the embedding (and a head tied to it)
+                packed = narrowed(packed, narrow)  # is looked up a row at a time: it costs no reads per token
             formats[name] = packed.format.name
             for field in PACKED_FIELDS:
                 if (value := getattr(packed, field)).numel():

@@ -25,6 +25,11 @@ from specdecode.weights import (gguf_architecture, load_checkpoint, load_tokeniz
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 WEIGHT_FORMS = ("auto", "stored", "float")
+# A GGUF draft's layers stored in more bits per weight than this are written again in it, once (cached): a guess of
+# the Qwen2.5-Coder-0.5B Q4_K_M draft (Q5_0, Q6_K, Q8_0 layers) reads 230 MB instead of 279, its forward 9.0 ms
+# instead of 10.9, and `hybrid` went from 1.62-1.66x to 1.74-1.75x `none` on the dev sets, acceptance 56% against
+# 58-60% (BENCHMARKS.md, "The draft model in 4-bit blocks")
+STORED_DRAFT_BLOCKS = "q4_0"
 
 
 def resolve_weights(form: str, source: str, device: str = "cpu", quantize: str = "none") -> str:
@@ -71,11 +76,14 @@ def resolve_dtype(name: str, device: str = "cpu", weights: str = "float") -> tor
 
 
 def resolve_draft_quantize(mode: str, device: str, weights: str = "float") -> str:
-    """'auto' = q8_0 for a float draft on CPU where the kernel runs: the draft's precision changes only its
-    guesses, never the output, and 8-bit blocks make each guess cheaper; a GGUF draft runs as stored."""
+    """The draft's blocks. Its precision changes only its guesses, never the output. 'auto' on a CPU where the
+    kernel runs: a float draft in q8_0 (each guess cheaper than in float); a GGUF draft run as stored gets its
+    wider layers in q4_0 (STORED_DRAFT_BLOCKS); elsewhere none."""
     if mode != "auto":
         return resolve_mode(mode)
-    return "q8_0" if weights == "float" and device == "cpu" and cpu_kernels() is not None else "none"
+    if device != "cpu" or cpu_kernels() is None:
+        return "none"
+    return STORED_DRAFT_BLOCKS if weights == "stored" else "q8_0"
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,9 @@ class LoadPlan:
     draft_quantize: str
 
     def describe(self) -> str:
-        draft = "as stored" if self.draft_weights == "stored" else self.draft_quantize
+        draft = self.draft_quantize
+        if self.draft_weights == "stored":
+            draft = "as stored" + ("" if draft == "none" else f", wider layers in {draft}")
         return f"target weights {self.target_form()}, draft weights {draft}, {self.activations()} activations"
 
     def describe_target(self) -> str:
@@ -119,8 +129,8 @@ def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: s
     """-> (model with the engine's forward contract, tokenizer). `weights` = 'stored' runs a GGUF file's blocks
     as they are (resolve_weights); `quantize` = none, q8_0 or q4_k blocks written from the float weights.
     `tokenizer_like`: a tokenizer already loaded, returned as this model's where its files are the same."""
-    if weights == "stored":
-        return _stored(resolve_source(source), dtype, tokenizer_like)
+    if weights == "stored":  # `quantize` then narrows wider blocks (a draft's: resolve_draft_quantize)
+        return _stored(resolve_source(source), dtype, tokenizer_like, quantize)
     ckpt = load_checkpoint(source, dtype)
     if runs_natively(ckpt.config):
         # Every linear layer on the CPU kernel (where it runs), so verify forwards are cheap and exact.
@@ -142,10 +152,10 @@ def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str) -
     return model.to(device).eval()
 
 
-def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None) -> tuple[Transformer, object]:
+def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None, narrow: str = "none") -> tuple[Transformer, object]:
     from specdecode.gguf_stored import load_stored
 
-    ckpt = load_stored(gguf, tokenizer_like=tokenizer_like)
+    ckpt = load_stored(gguf, tokenizer_like=tokenizer_like, narrow=narrow)
     if not runs_natively(ckpt.config):
         raise SpecdecodeError(f"{gguf.name}: weights as stored run on the native llama-family model only; "
                               "use --weights float for this architecture")
@@ -232,7 +242,9 @@ def load_draft(source: str, plan: LoadPlan, device: str, target_tokenizer: Any, 
         from specdecode.drafters.lora import apply_adapter
 
         apply_adapter(model, adapter, source)
-    return model, cut_draft_head(model, tokenizer if bridge else target_tokenizer, source, vocab, corpus), bridge
+    narrow = plan.draft_quantize if weights == "stored" else "none"
+    return model, cut_draft_head(model, tokenizer if bridge else target_tokenizer, source, vocab, corpus,
+                                 narrow), bridge
 
 
 def same_tokenizer(target_tok, draft_tok) -> bool:

@@ -7,8 +7,8 @@ On CPU every linear layer runs on a native kernel:
     dot products: kernels/quant_c16_*.cpp with 16 output channels per vector (repacked at load; one AVX-512
     VNNI register or two AVX2 halves), or kernels/quant_cpu.cpp one weight row at a time where the outputs are
     not a multiple of 16. A GGUF file's blocks run as
-    stored (`apply_packed_`); a float checkpoint is written in Q8_0 or Q4_K by `--quantize` (`int8`, `int4`
-    are older names for them).
+    stored (`apply_packed_`); a float checkpoint is written in Q8_0, Q4_0 or Q4_K by `--quantize` (`int8`, `int4`
+    are older names for Q8_0 and Q4_K; Q4_0's 32-weight blocks fit input widths Q4_K's 256 do not, e.g. 896).
 Every kernel keeps a verify forward over k + 1 tokens cheaper than k + 1 one-token forwards and computes every
 row exactly as a one-token forward would, so speculation is lossless relative to the target as run.
 Without the kernels (CUDA, CPUs without AVX2) `none` keeps PyTorch's nn.Linear and quantization is refused.
@@ -23,8 +23,8 @@ from specdecode.blocks import PackedWeight, quantize_float
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
 
-MODES = ("none", "q8_0", "q4_k")
-SUPERBLOCK = {"q8_0": 32, "q4_k": 256}  # the input dimension must be a whole number of these
+MODES = ("none", "q8_0", "q4_0", "q4_k")
+SUPERBLOCK = {"q8_0": 32, "q4_0": 32, "q4_k": 256}  # the input dimension must be a whole number of these
 ALIASES = {"int8": "q8_0", "int4": "q4_k"}
 LEGACY_OFFSETS = {"q4_0": 8, "q5_0": 16, "q8_0": 128}  # w = d (code - offset); Q4_1 and Q5_1 keep a min instead
 OP_C16, OP_C16_LEGACY, OP_ROWS, OP_FP32, OP_BF16 = range(5)  # kernels.LinearOp kinds (kernels/layer_cpu.h)

@@ -166,10 +166,11 @@ def load_or_build(path: Path, build: Callable[[], torch.Tensor]) -> torch.Tensor
     return ids
 
 
-def stored_head(gguf: Path, cache: Path | None = None) -> PackedWeight | None:
-    """The output matrix of a GGUF model as stored (row layout), read from its unpacked cache folder: for a head
-    whose rows were dropped at load (QuantLinear repacked to 16 channels). None when the head is not in blocks."""
-    folder = stored_dir(Path(gguf), cache)
+def stored_head(gguf: Path, cache: Path | None = None, narrow: str = "none") -> PackedWeight | None:
+    """The output matrix of a GGUF model as stored (row layout), read from its unpacked cache folder (the one for
+    `narrow`, as the model was loaded): for a head whose rows were dropped at load (QuantLinear repacked to 16
+    channels). None when the head is not in blocks."""
+    folder = stored_dir(Path(gguf), cache, narrow)
     with safe_open(folder / "model.safetensors", "pt") as file:
         formats = json.loads(file.metadata()["block_formats"])
         keys = set(file.keys())
@@ -239,12 +240,12 @@ DEFAULT_HEAD_SIZE = 32768  # FR-Spec's speed peak; a multiple of 16
 
 
 def cut_draft_head(model: nn.Module, tokenizer: Any, source: str, size: int = DEFAULT_HEAD_SIZE,
-                   corpus: list[str] | None = None) -> torch.Tensor | None:
+                   corpus: list[str] | None = None, narrow: str = "none") -> torch.Tensor | None:
     """Restrict a loaded draft model's LM head to the `size` most frequent tokens of its tokenizer, counted on
     `corpus` (jsonl files; counts cached beside the converted weights) or, without one, on the instruction data
     shipped for this vocabulary. -> the vocabulary id of each logit of the cut head, or None where it stays whole:
     when `size` is 0 or covers the vocabulary, or when no frequency list matches the tokenizer (ranking by id alone
-    loses more acceptance than it saves)."""
+    loses more acceptance than it saves). `narrow`: the block type a GGUF model's layers were narrowed to at load."""
     from specdecode.model import Transformer
 
     vocab = model.config.vocab_size
@@ -269,6 +270,6 @@ def cut_draft_head(model: nn.Module, tokenizer: Any, source: str, size: int = DE
     head = model.lm_head
     stored = None
     if isinstance(head, QuantLinear) and head.packed is None:
-        stored = stored_head(Path(resolve_source(source)))
+        stored = stored_head(Path(resolve_source(source)), narrow=narrow)
     return restrict_lm_head(model, ids, stored)
 

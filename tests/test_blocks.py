@@ -7,7 +7,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from specdecode.blocks import FORMATS, PackedWeight, from_gguf, quantize_float
+from specdecode.blocks import FORMATS, PackedWeight, from_gguf, narrowed, quantize_float
 from specdecode.kernels import cpu_kernels
 from specdecode.quantize import QuantLinear
 
@@ -119,12 +119,34 @@ def test_the_largest_codes_and_activations_do_not_overflow(type_name, fill):
     assert torch.allclose(layer(x).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_k"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_k"])
 def test_float_weights_written_in_blocks_stay_close(name):
     torch.manual_seed(0)
     w = torch.randn(16, 512) * 0.05
     back = quantize_float(w, name).dequantize()
-    assert (back - w).abs().max() < (0.002 if name == "q8_0" else 0.02)
+    assert (back - w).abs().max() < {"q8_0": 0.002, "q4_0": 0.025, "q4_k": 0.02}[name]
+
+
+def test_q4_0_is_written_as_gguf_reads_it():
+    """Our Q4_0 blocks, packed back into GGUF's bytes, decode to the same weights with gguf-py."""
+    torch.manual_seed(0)
+    w = quantize_float(torch.randn(4, 128) * 0.05, "q4_0")
+    codes, d = w.codes().numpy().reshape(4, 4, 32).astype(np.uint8), w.d.numpy().reshape(4, 4, 1)
+    raw = np.concatenate((d.view(np.uint8), codes[..., :16] | codes[..., 16:] << 4), axis=-1)  # [4, blocks, 18]
+    np.testing.assert_array_equal(dequantize(raw.reshape(4, -1), GGMLQuantizationType.Q4_0).reshape(4, 128),
+                                  w.dequantize().numpy())
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_narrowing_rewrites_only_wider_blocks(type_name):
+    w = packed(type_name, out=16, inp=256)
+    narrow = narrowed(w, "q4_0")
+    if w.format.bits_per_weight > FORMATS["q4_0"].bits_per_weight:
+        assert narrow.format.name == "q4_0" and narrow.shape == w.shape
+    else:
+        assert narrow is w  # Q4_0 and Q4_K are already 4.5 bits a weight
+    odd = packed("Q8_0", out=16, inp=96)
+    assert narrowed(odd, "q4_k") is odd  # 96 inputs are no whole Q4_K superblock
 
 
 def test_embedding_rows_decode_as_the_whole_matrix():

@@ -39,7 +39,7 @@ def test_float_kernel_rows_are_computed_as_if_alone(dtype):
             assert torch.equal(batch[j], layer(x[j : j + 1])[0])
 
 
-@pytest.mark.parametrize("mode", ["q8_0", "q4_k"])
+@pytest.mark.parametrize("mode", ["q8_0", "q4_0", "q4_k"])
 def test_quantize_puts_every_linear_in_blocks(mode):
     model = quantize_(tiny_native("qwen2", seed=0, **WIDE), mode)
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, KernelLinear, QuantLinear))]
@@ -65,7 +65,7 @@ def test_decode_forward_rows_equal_one_token_forwards(mode, dtype):
             assert torch.equal(batch[0, j], one[0, 0]), f"row {j} differs"
 
 
-@pytest.mark.parametrize("mode", ["none", "q8_0", "q4_k"])
+@pytest.mark.parametrize("mode", ["none", "q8_0", "q4_0", "q4_k"])
 def test_speculation_is_exact_for_the_target_as_run(mode):
     target = quantize_(tiny_native("qwen2", seed=0, dtype=torch.bfloat16, **WIDE), mode)
     draft = quantize_(tiny_native("qwen2", seed=1, dtype=torch.bfloat16, **WIDE), mode)

@@ -136,7 +136,8 @@ def test_file_that_is_not_gguf(tmp_path: Path) -> None:
 
 # --- GGUF: a tiny Qwen2 written with gguf-py in float32, so de-quantizing is exact ---
 
-def _write_gguf(path: Path, model: Qwen2ForCausalLM) -> None:
+def _write_gguf(path: Path, model: Qwen2ForCausalLM, blocks: str | None = None) -> None:
+    """`blocks`: a GGUF block type (e.g. 'Q8_0') for every matrix, as llama.cpp's quantizer writes them."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_block_count(config.num_hidden_layers)
@@ -160,7 +161,13 @@ def _write_gguf(path: Path, model: Qwen2ForCausalLM) -> None:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # llama.cpp writes no `output.weight` for tied models
         base, suffix = name.rsplit(".", 1)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.numpy().astype(np.float32))
+        values = tensor.numpy().astype(np.float32)
+        if blocks is not None and values.ndim == 2:
+            kind = gguf.GGMLQuantizationType[blocks]
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(values, kind),
+                              raw_dtype=kind)
+            continue
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -239,6 +246,31 @@ def test_a_draft_with_the_targets_vocabulary_files_shares_its_tokenizer(tiny_ggu
     for name in ("edited", "fewer"):  # other bytes, another set of files: its own, read from its folder
         read = load_stored(tiny_gguf, tmp_path, tokenizer_like=like[name]).tokenizer
         assert read is not like[name] and read.get_vocab() == own.get_vocab(), name
+
+
+def test_a_narrowed_draft_gets_its_wider_layers_in_q4_0_once_cached(tmp_path: Path) -> None:
+    from specdecode.gguf_stored import load_stored, stored_dir
+    from specdecode.vocab_subset import stored_head
+
+    path = tmp_path / "q8.gguf"
+    _write_gguf(path, _qwen2(), blocks="Q8_0")
+    as_stored = load_stored(path, tmp_path)
+    narrow = load_stored(path, tmp_path, narrow="q4_0")
+    assert stored_dir(path, tmp_path, "q4_0") != stored_dir(path, tmp_path) and stored_dir(path, tmp_path).is_dir()
+    for name, packed in as_stored.packed.items():
+        assert packed.format.name == "q8_0", name
+        if name == "model.embed_tokens.weight":  # looked up a row at a time: kept as stored
+            assert narrow.packed[name].format.name == "q8_0"
+            continue
+        assert narrow.packed[name].format.name == "q4_0", name
+        original = packed.dequantize()  # the same weights, each within a Q4_0 step (1/8 of its block's largest)
+        step = original.view(original.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 8
+        assert ((narrow.packed[name].dequantize() - original).view_as(step.expand(-1, -1, 32)).abs()
+                <= step * 1.01 + 1e-6).all(), name
+    assert stored_head(path, tmp_path, narrow="q4_0").format.name == "q4_0"
+    assert stored_head(path, tmp_path).format.name == "q8_0"
+    again = load_stored(path, tmp_path, narrow="q4_0")  # read from its folder, not converted again
+    assert all(torch.equal(again.packed[n].qs, p.qs) for n, p in narrow.packed.items())
 
 
 def test_gguf_tied_embeddings(tmp_path: Path) -> None:
