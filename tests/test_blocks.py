@@ -213,3 +213,26 @@ def test_the_prefetch_hint_follows_the_cpu_maker_and_can_be_chosen(monkeypatch):
     monkeypatch.setenv("SPECDECODE_PREFETCH", "l1")
     with pytest.raises(SpecdecodeError, match="SPECDECODE_PREFETCH"):
         k.prefetch_hint()
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0"])
+def test_big_weights_get_2mb_pages_of_their_own_and_the_same_outputs(type_name):
+    """A repacked weight of 2 MB or more sits in a mapping of its own that starts on a 2 MB boundary (so that the
+    system can back it with huge pages) and is unmapped with the layer; the outputs are those of 4 KB pages."""
+    w = packed(type_name, out=4096, inp=1024)  # 2 MB of codes after the repack
+    try:
+        kernels.set_huge_pages(False)
+        plain = QuantLinear(w, None, kernels)
+        kernels.set_huge_pages(True)
+        layer = QuantLinear(w, None, kernels)
+    finally:
+        kernels.set_huge_pages(True)
+    codes = layer.tensors[0]
+    assert codes.nbytes >= 2 << 20 and codes.data_ptr() % (2 << 20) == 0
+    x = torch.randn(3, 1024)
+    assert torch.equal(layer(x), plain(x))
+    start = f"{codes.data_ptr():x}-"
+    assert any(line.startswith(start) for line in open("/proc/self/maps"))
+    del layer, codes
+    assert not any(line.startswith(start) for line in open("/proc/self/maps"))  # unmapped with its last reference

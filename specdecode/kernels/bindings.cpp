@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "huge_pages.h"
 #include "kernels.h"
 #include "layer_cpu.h"
 
@@ -20,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per group of linear layers (False); the same bits either way, to compare speed");
   m.def("set_read_ahead", &set_read_ahead, "bytes of weights a helper thread reads ahead per stage of a decode "
         "forward's region (-1: half its L2 cache, the default; 0: none); returns the bytes in force");
+  m.def("set_huge_pages", [](bool on) { huge_pages_wanted.store(on); },
+        "weights repacked from now on in 2 MB pages (on) or 4 KB ones (the same bits; to compare speed)");
   m.def("set_amx", &set_amx, "AMX on or off for this process (the same bits either way; to compare speed)");
   m.def("repack_c16_legacy", &repack_c16_legacy, "32-weight blocks, row layout -> 16 output channels per vector");
   m.def("linear_c16_legacy", &linear_c16_legacy, "y = x @ W^T + b, 32-weight-block W with 16 channels per vector");

@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "huge_pages.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -71,13 +72,13 @@ std::vector<at::Tensor> repack_c16(const at::Tensor& qs, const at::Tensor& qh, c
   const int64_t N = d.size(0), nsb = d.size(1), K = nsb * 256, ng = N / 16, nsub = 256 / G;
   TORCH_CHECK(N % 16 == 0, "repack_c16: N must be a multiple of 16");
   auto opts = at::TensorOptions().dtype(at::kByte);
-  auto lo = at::empty({ng, nsb, 32, 64}, opts);
+  auto lo = empty_in_huge_pages({ng, nsb, 32, 64}, opts);
   const bool with_mins = bits != 6;
-  auto hi = at::empty({ng, nsb, bits > 4 ? 16 : 0, 64}, opts);
-  auto sc = at::empty({ng, nsb, nsub, 16}, opts.dtype(at::kChar));
-  auto mn = at::empty({ng, with_mins ? nsb : 0, nsub / 2, 16, 2}, opts.dtype(at::kChar));
-  auto dd = at::empty({ng, nsb, 16}, opts.dtype(at::kHalf));
-  auto dm = at::empty({ng, with_mins ? nsb : 0, 16}, opts.dtype(at::kHalf));
+  auto hi = empty_in_huge_pages({ng, nsb, bits > 4 ? 16 : 0, 64}, opts);
+  auto sc = empty_in_huge_pages({ng, nsb, nsub, 16}, opts.dtype(at::kChar));
+  auto mn = empty_in_huge_pages({ng, with_mins ? nsb : 0, nsub / 2, 16, 2}, opts.dtype(at::kChar));
+  auto dd = empty_in_huge_pages({ng, nsb, 16}, opts.dtype(at::kHalf));
+  auto dm = empty_in_huge_pages({ng, with_mins ? nsb : 0, 16}, opts.dtype(at::kHalf));
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const uint8_t* h = bits > 4 ? qh.data_ptr<uint8_t>() : nullptr;
   const int8_t* s = scales.data_ptr<int8_t>();

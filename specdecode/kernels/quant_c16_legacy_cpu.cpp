@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "huge_pages.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -32,10 +33,10 @@ std::vector<at::Tensor> repack_c16_legacy(const at::Tensor& qs, const at::Tensor
   const int64_t N = d.size(0), nb = d.size(1), K = nb * 32, ng = N / 16;
   TORCH_CHECK(N % 16 == 0, "repack_c16_legacy: N must be a multiple of 16");
   auto u8 = at::TensorOptions().dtype(at::kByte);
-  auto codes = at::empty({ng, nb, bits == 8 ? 8 : 4, 64}, u8);
-  auto hi = at::empty({ng, nb, bits == 5 ? 1 : 0, 64}, u8);
-  auto dd = at::empty({ng, nb, 16}, u8.dtype(at::kHalf));
-  auto mm = at::empty({ng, nb, with_m ? 16 : 0}, u8.dtype(at::kHalf));
+  auto codes = empty_in_huge_pages({ng, nb, bits == 8 ? 8 : 4, 64}, u8);
+  auto hi = empty_in_huge_pages({ng, nb, bits == 5 ? 1 : 0, 64}, u8);
+  auto dd = empty_in_huge_pages({ng, nb, 16}, u8.dtype(at::kHalf));
+  auto mm = empty_in_huge_pages({ng, nb, with_m ? 16 : 0}, u8.dtype(at::kHalf));
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const uint8_t* h = bits == 5 ? qh.data_ptr<uint8_t>() : nullptr;
   const at::Half* d16 = d.data_ptr<at::Half>();
