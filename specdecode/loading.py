@@ -26,7 +26,7 @@ from specdecode.weights import (gguf_architecture, load_checkpoint, load_tokeniz
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 WEIGHT_FORMS = ("auto", "stored", "float")
 # A GGUF draft's layers stored in more bits per weight than this are written again in it, once (cached): a guess of
-# the Qwen2.5-Coder-0.5B Q4_K_M draft (Q5_0, Q6_K, Q8_0 layers) reads 230 MB instead of 279, its forward 9.0 ms
+# the Qwen2.5-Coder-0.5B Q4_K_M draft (Q5_0, Q6_K, Q8_0 layers) reads 219 MB instead of 279, its forward 9.0 ms
 # instead of 10.9, and `hybrid` went from 1.62-1.66x to 1.74-1.75x `none` on the dev sets, acceptance 56% against
 # 58-60% (BENCHMARKS.md, "The draft model in 4-bit blocks")
 STORED_DRAFT_BLOCKS = "q4_0"
