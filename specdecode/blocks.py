@@ -17,7 +17,8 @@ of high bits); nothing is rounded, so the weights are exactly the file's, at abo
   Q6_K   6     256         16     d, int8 scale                       d * scale * code - (32 d) * scale
 
 `quantize_float` writes a float tensor in Q8_0, Q4_0 or Q4_K, so `--quantize` of a float checkpoint runs on the
-same kernels (and a draft model's wider blocks can be written again in fewer bits: `narrowed`). `PackedWeight.dequantize` is the plain reference every kernel path is tested against.
+same kernels (and a draft model's wider blocks can be written again in fewer bits: `narrowed`).
+`PackedWeight.dequantize` is the plain reference every kernel path is tested against.
 """
 
 from __future__ import annotations

@@ -127,9 +127,11 @@ def plan_load(target: str, draft: str | None, dtype: str = "auto", device: str =
 def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: str = "none",
                weights: str = "float", tokenizer_like: Any = None) -> tuple[torch.nn.Module, object]:
     """-> (model with the engine's forward contract, tokenizer). `weights` = 'stored' runs a GGUF file's blocks
-    as they are (resolve_weights); `quantize` = none, q8_0 or q4_k blocks written from the float weights.
+    as they are (resolve_weights), its linear layers stored in more bits per weight than `quantize`'s blocks
+    written again in them (a draft's, blocks.narrowed); else `quantize` = none, q8_0, q4_0 or q4_k blocks written
+    from the float weights.
     `tokenizer_like`: a tokenizer already loaded, returned as this model's where its files are the same."""
-    if weights == "stored":  # `quantize` then narrows wider blocks (a draft's: resolve_draft_quantize)
+    if weights == "stored":
         return _stored(resolve_source(source), dtype, tokenizer_like, quantize)
     ckpt = load_checkpoint(source, dtype)
     if runs_natively(ckpt.config):

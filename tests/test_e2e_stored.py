@@ -29,7 +29,7 @@ def stored():
 def test_auto_runs_a_gguf_file_as_stored():
     plan = plan_load(SMOL, SMOL)
     assert (plan.weights, plan.draft_weights, plan.dtype) == ("stored", "stored", torch.float32)
-    assert plan.quantize == "none" and plan.draft_quantize == "q4_0"  # the draft's wider layers narrowed, not the target's
+    assert plan.quantize == "none" and plan.draft_quantize == "q4_0"  # the draft's wider layers narrowed
     assert "draft weights as stored, wider layers in q4_0" in plan.describe()
     assert plan_load(SMOL, SMOL, draft_quantize="none").describe().startswith("target weights as stored, draft "
                                                                                "weights as stored,")
@@ -44,7 +44,8 @@ def test_a_narrowed_draft_guesses_and_the_output_stays_the_targets(stored):
     assert draft.lm_head.format.name == "q8_0"  # tied to the embedding, which is looked up: kept as stored
     params = SamplingParams(max_new_tokens=48)
     plain = SpecDecoder(model, tokenizer, build_drafter("none", Models(model, tokenizer)), "none", 0)
-    drafting = SpecDecoder(model, tokenizer, build_drafter("draft", Models(model, tokenizer, draft), "tree"), "draft", 5)
+    drafter = build_drafter("draft", Models(model, tokenizer, draft), "tree")
+    drafting = SpecDecoder(model, tokenizer, drafter, "draft", 5)
     assert drafting.generate(PROMPT, params).token_ids == plain.generate(PROMPT, params).token_ids
     assert drafting.stats.acceptance_rate > 0.5  # the same model in fewer bits mostly guesses the target's tokens
 

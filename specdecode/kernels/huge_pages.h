@@ -3,9 +3,9 @@
 // before its first write (the system's default "madvise" mode). Memory reused from the allocator was already written
 // in 4 KB pages (a load frees the row layout just before the repacked copy is made), so a weight gets a fresh
 // mapping of its own, aligned to 2 MB. The bits stored are the same either way: only where they sit changes.
-// Measured on an AMX Xeon VM (BENCHMARKS.md, "Weights in 2 MB pages"): 28 Q4_K layers of the target's FFN shape
-// 10% faster at one row, 48 Q4_0 layers of the draft's 19%; whole forwards and the benchmark less (the helper
-// thread's read-ahead already hides much of the page walks): 1-2% end to end.
+// Measured on an AMX Xeon VM (BENCHMARKS.md, "The draft model in 4-bit blocks, weights in 2 MB pages"): 28 Q4_K
+// layers of the target's FFN shape 10% faster at one row, 48 Q4_0 layers of the draft's 19%; whole forwards and the
+// benchmark less (the helper thread's read-ahead already hides much of the page walks): 1-2% end to end.
 #pragma once
 #include "aten_lite.h"
 #include <ATen/ops/from_blob.h>
@@ -32,8 +32,9 @@ inline at::Tensor empty_in_huge_pages(at::IntArrayRef sizes, const at::TensorOpt
     void* raw = mmap(nullptr, length + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw != MAP_FAILED) {
       const auto base = reinterpret_cast<uintptr_t>(raw), start = (base + kHuge - 1) & ~(kHuge - 1);
-      if (start > base) munmap(raw, start - base);  // the mapping's head before the 2 MB boundary, and its tail
-      if (base + length + kHuge > start + length) munmap(reinterpret_cast<void*>(start + length), base + kHuge - start);
+      // the mapping's head before the 2 MB boundary, and its tail after the tensor (base + kHuge > start always)
+      if (start > base) munmap(raw, start - base);
+      munmap(reinterpret_cast<void*>(start + length), base + kHuge - start);
       madvise(reinterpret_cast<void*>(start), length, MADV_HUGEPAGE);  // advice: 4 KB pages where it is not taken
       return at::from_blob(reinterpret_cast<void*>(start), sizes, [length](void* p) { munmap(p, length); }, options);
     }
