@@ -68,6 +68,10 @@ class CostCurve:
 IN_USE_WINDOW = 24  # a size's most recent in-use times whose median stands for it
 IN_USE_MIN = 4  # in-use times a size needs before its median replaces the measured value
 SAVE_EVERY = 32  # median updates between write-backs of the in-use curve (and whenever a size is first priced)
+# A size's median is taken again every this many of its times (and when it is first priced), not after every
+# forward: a median of 24 barely moves with one more time, and rebuilding the curve every step cost ~0.15 ms of a
+# step on a 2-core Xeon (its code and data read back into caches the forward had just flushed).
+IN_USE_REFRESH = 4
 # Until two rows are timed in use, they are priced at most this many one-row forwards. A measurement taken while
 # the machine was busy priced them at 1.6-2.4x one row (cached curves of this project's tests), where quiet
 # measurements give 1.0-1.2x on every CPU measured: no draft then paid, none was verified, and two rows were never
@@ -84,9 +88,11 @@ class InUseCurve:
     took 1.8x its 2-row ones, and the planner verified far more nodes than paid. A median follows the machine both ways and lets no lucky
     forward of one size talk the planner into or out of drafting."""
 
-    def __init__(self, measured: CostCurve, window: int = IN_USE_WINDOW, min_times: int = IN_USE_MIN) -> None:
-        self.measured, self.window, self.min_times = measured, window, min_times
+    def __init__(self, measured: CostCurve, window: int = IN_USE_WINDOW, min_times: int = IN_USE_MIN,
+                 refresh: int = IN_USE_REFRESH) -> None:
+        self.measured, self.window, self.min_times, self.refresh = measured, window, min_times, refresh
         self.times: dict[int, deque[float]] = {}
+        self.fresh: dict[int, int] = {}  # per size, its times since its median was last taken
         self.medians: dict[int, float] = {}  # sizes with at least min_times in-use times
         self.curve = measured
         self.updates = 0  # median updates since the last write-back
@@ -98,8 +104,10 @@ class InUseCurve:
             return self.curve
         times = self.times.setdefault(m, deque(maxlen=self.window))
         times.append(seconds)
-        if len(times) >= self.min_times:
-            first = m not in self.medians
+        first = m not in self.medians
+        self.fresh[m] = self.fresh.get(m, 0) + 1
+        if len(times) >= self.min_times and (first or self.fresh[m] >= self.refresh):
+            self.fresh[m] = 0
             self.medians[m] = statistics.median(times)
             self.curve = self._curve(explore=True)
             self.updates += 1

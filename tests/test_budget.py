@@ -33,6 +33,14 @@ def test_in_use_medians_replace_the_measured_sizes_and_scale_the_rest():
     assert in_use.observe(30, 0.1) is curve and in_use.observe(1, float("nan")) is curve  # not kept
 
 
+def test_a_priced_size_is_priced_again_every_few_times_not_after_every_forward():
+    in_use = InUseCurve(CostCurve((1.0, 2.0)), window=8, min_times=1, refresh=3)
+    assert in_use.observe(1, 4.0).seconds[0] == 4.0  # first priced at once
+    assert in_use.observe(1, 6.0).seconds[0] == 4.0 and in_use.observe(1, 6.0).seconds[0] == 4.0
+    assert in_use.observe(1, 6.0).seconds[0] == 6.0  # the third time since: the median of 4, 6, 6, 6
+    assert in_use.observe(2, 7.0).seconds[1] == 7.0  # another size's first price is not held back
+
+
 def test_in_use_curve_never_prices_more_rows_below_fewer():
     in_use = InUseCurve(CostCurve((1.0, 1.2, 1.4, 1.6)), window=4, min_times=1)
     in_use.observe(2, 2.0)

@@ -1,6 +1,6 @@
 """Streaming detokenization and stop strings, with a byte-level tokenizer (nothing downloaded)."""
 
-from specdecode.text import TextStream
+from specdecode.text import TextStream, decoder_of
 
 
 class ByteTokenizer:
@@ -45,3 +45,23 @@ def test_stop_prefix_is_held_back_then_released():
     assert "".join(pieces) == "ab"  # "E" might start "END"
     pieces, _ = stream.push(list(b"x"))
     assert "".join(pieces) == "Ex"
+
+
+def test_a_tokenizers_backend_is_decoded_directly_and_gives_the_wrappers_text():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["héllo wörld, 世界 🙂 " * 3, "def f(x):\n    return x"],
+                                trainers.BpeTrainer(vocab_size=300, special_tokens=["<|end|>"],
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    assert decoder_of(wrapped)([0]) == backend.decode([0], skip_special_tokens=True)
+    ids = wrapped.encode("héllo 世界 🙂<|end|> def f(x):\n    return x")
+    stream = TextStream(wrapped)
+    pieces, kept = stream.push(ids)
+    assert kept == len(ids) and "".join(pieces) + stream.flush() == wrapped.decode(ids, skip_special_tokens=True)
+    cleaned = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=True)
+    assert decoder_of(cleaned).__code__ is not decoder_of(wrapped).__code__  # the wrapper's clean-up is kept
