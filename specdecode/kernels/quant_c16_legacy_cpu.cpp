@@ -146,6 +146,7 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
     __m512i part[kSplit][TILE];
     for (int s = 0; s < kSplit; ++s)
       for (int t = 0; t < TILE; ++t) part[s][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m512i codes = chunk_codes<BITS>(w, at, j);
       for (int t = 0; t < TILE; ++t)
