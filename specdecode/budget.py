@@ -72,6 +72,11 @@ SAVE_EVERY = 32  # median updates between write-backs of the in-use curve (and w
 # forward: a median of 24 barely moves with one more time, and rebuilding the curve every step cost ~0.15 ms of a
 # step on a 2-core Xeon (its code and data read back into caches the forward had just flushed).
 IN_USE_REFRESH = 4
+# A size not timed in this many forwards is forgotten and priced from its neighbours again. A stall of a few seconds
+# (seen in the first generation of a bench run on a 2-core Xeon: its forwards at ~2.5x) priced 3-6 rows so dear that
+# `draft` verified 2 rows from then on, and the sizes never verified were never timed again: 1.11x `none` over the
+# whole run where the next run gave 1.55x. A `draft` step is one forward: this is about one 128-token answer.
+IN_USE_STALE = 96
 # Until two rows are timed in use, they are priced at most this many one-row forwards. A measurement taken while
 # the machine was busy priced them at 1.6-2.4x one row (cached curves of this project's tests), where quiet
 # measurements give 1.0-1.2x on every CPU measured: no draft then paid, none was verified, and two rows were never
@@ -89,10 +94,13 @@ class InUseCurve:
     forward of one size talk the planner into or out of drafting."""
 
     def __init__(self, measured: CostCurve, window: int = IN_USE_WINDOW, min_times: int = IN_USE_MIN,
-                 refresh: int = IN_USE_REFRESH) -> None:
+                 refresh: int = IN_USE_REFRESH, stale: int = IN_USE_STALE) -> None:
         self.measured, self.window, self.min_times, self.refresh = measured, window, min_times, refresh
+        self.stale = stale
         self.times: dict[int, deque[float]] = {}
         self.fresh: dict[int, int] = {}  # per size, its times since its median was last taken
+        self.clock = 0  # forwards observed
+        self.last: dict[int, int] = {}  # per size, the clock when it was last timed
         self.medians: dict[int, float] = {}  # sizes with at least min_times in-use times
         self.curve = measured
         self.updates = 0  # median updates since the last write-back
@@ -102,12 +110,15 @@ class InUseCurve:
         """The curve after a forward over m rows took `seconds` (sizes past the measured run: scaled, not kept)."""
         if not 1 <= m <= len(self.measured.seconds) or not math.isfinite(seconds) or seconds <= 0:
             return self.curve
+        self.clock += 1
+        self.last[m] = self.clock
         times = self.times.setdefault(m, deque(maxlen=self.window))
         times.append(seconds)
         first = m not in self.medians
         self.fresh[m] = self.fresh.get(m, 0) + 1
         if len(times) >= self.min_times and (first or self.fresh[m] >= self.refresh):
             self.fresh[m] = 0
+            self._forget_stale()
             self.medians[m] = statistics.median(times)
             self.curve = self._curve(explore=True)
             self.updates += 1
@@ -118,6 +129,12 @@ class InUseCurve:
                 save(self.measured.source, self.leveled(), self.label)
                 self.updates = 0
         return self.curve
+
+    def _forget_stale(self) -> None:
+        """Drop the sizes not timed in the last `stale` forwards: a price from a stall must not outlive it."""
+        for size in [k for k, at in self.last.items() if self.clock - at > self.stale]:
+            for known in (self.times, self.fresh, self.medians, self.last):
+                known.pop(size, None)
 
     def leveled(self) -> CostCurve:
         """The measured curve times the median in-use/measured ratio of the sizes timed: what is written back.

@@ -77,6 +77,21 @@ def test_a_size_priced_too_dear_by_a_busy_measurement_gets_tried_and_timed():
     assert curve.cost(4) == pytest.approx(2.9) and curve.cost(5) == pytest.approx(2.8 * 2.9 / 2.4)
 
 
+def test_a_size_priced_during_a_stall_and_never_verified_again_is_forgotten_and_tried_again():
+    in_use = InUseCurve(CostCurve((1.0, 1.05, 1.1, 1.2)), min_times=2, refresh=1, stale=10)
+    for m in (2, 3, 4):  # a stall: every size at 2.5x
+        for _ in range(2):
+            in_use.observe(m, 2.5 * in_use.measured.cost(m))
+    curve = in_use.observe(2, 1.05)
+    for _ in range(4):  # quiet again, and only 2 rows verified: 3 rows stay at the stall's price for a while
+        curve = in_use.observe(2, 1.05)
+    assert curve.cost(3) == pytest.approx(2.75)
+    for _ in range(10):
+        curve = in_use.observe(2, 1.05)
+    assert sorted(in_use.medians) == [2]  # the sizes not timed since the stall are forgotten
+    assert curve.cost(3) == pytest.approx(1.1) and curve.cost(4) == pytest.approx(1.2)  # as measured, and tried
+
+
 def test_two_rows_priced_out_by_a_busy_measurement_get_tried_after_one_row_is_timed():
     # Measured under load: two rows at 2.4x one, so no draft pays and only one-row forwards are ever timed.
     in_use = InUseCurve(CostCurve((1.0, 2.4, 3.0, 3.5)), min_times=2)
