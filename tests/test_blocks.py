@@ -82,8 +82,8 @@ def test_every_row_is_computed_as_if_alone(type_name, out):
     x = torch.randn(70, 512)
     singles = torch.cat([layer(x[j : j + 1]) for j in range(70)])
     # every tile width and a remainder; up to 4 rows, AVX2 runs both channel halves in one pass; from 48 rows
-    # Q4_K and Q6_K run on AMX tile products where the CPU has them (16-row tiles in pairs and alone, the rest on
-    # the VNNI tile)
+    # Q4_K and Q6_K, from 32 rows Q4_0, run on AMX tile products where the CPU has them (16-row tiles in pairs and
+    # alone, the rest on the VNNI tile)
     for rows in (2, 3, 4, 5, 8, 9, 16, 19, 32, 37, 48, 50, 70):
         assert torch.equal(layer(x[:rows]), singles[:rows])
 

@@ -109,8 +109,8 @@ at::Tensor linear_c16(const at::Tensor& x, const at::Tensor& lo, const at::Tenso
                       const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t G);
 std::vector<at::Tensor> repack_c16_legacy(const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& d,
                                           const at::Tensor& dmin, int64_t bits, bool with_m);
-// Rows from which a Q4_K or Q6_K layer's forward runs on AMX tile products (bit-identical rows), or 0 where it does not:
-// no AMX in this build or this CPU, the system refused the tile state, or SPECDECODE_AMX=0.
+// Rows from which a Q4_K or Q6_K layer's forward runs on AMX tile products (bit-identical rows; a Q4_0 layer's from
+// 32), or 0 where it does not: no AMX in this build or this CPU, the system refused the tile state, or SPECDECODE_AMX=0.
 int64_t amx_min_rows();
 void set_amx(bool on);  // AMX for this process (on by default where it runs); off: the VNNI tile for every row
 LinearWork linear_c16_work(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi,

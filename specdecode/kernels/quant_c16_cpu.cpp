@@ -22,6 +22,7 @@
 // Every output y[m, n] is reduced in one fixed order (superblocks in order, integer sums exact), whatever M is, so
 // rows are bit-identical to one-row calls.
 #include "aten_lite.h"
+#include "amx_tiles.h"
 #include <immintrin.h>
 
 #include <sys/syscall.h>
@@ -459,13 +460,6 @@ bool amx_granted() {
   return granted;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tile state is per thread: every tile 16 rows of 64 bytes (int8 [16, 64] operands, int32 [16, 16] sums).
 void configure_tiles() {
   TileConfig config;
@@ -726,7 +720,7 @@ LinearWork linear_c16_work(const at::Tensor& x, const at::Tensor& lo, const at::
                   quantized[2].data_ptr<int32_t>());
   }
   // A prompt's rows of a Q4_K or Q6_K layer on AMX, where the CPU has it (bit-identical rows: see amx_q4k_rows)
-  const bool amx = kAmxKernel && bits != 5 && M >= kAmxMinRows && amx_wanted.load() && amx_granted();
+  const bool amx = bits != 5 && M >= kAmxMinRows && amx_on();
   const C16Acts a{quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(), quantized[2].data_ptr<int32_t>(),
                   K};
   const auto* d16 = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
@@ -760,7 +754,9 @@ LinearWork linear_c16_work(const at::Tensor& x, const at::Tensor& lo, const at::
   return work;
 }
 
-int64_t amx_min_rows() { return kAmxKernel && amx_wanted.load() && amx_granted() ? kAmxMinRows : 0; }
+bool amx_on() { return kAmxKernel && amx_wanted.load() && amx_granted(); }
+
+int64_t amx_min_rows() { return amx_on() ? kAmxMinRows : 0; }
 
 void set_amx(bool on) { amx_wanted.store(on); }
 

@@ -16,10 +16,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "huge_pages.h"
 #include "kernels.h"
 #include "simd.h"
@@ -167,6 +169,87 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
   for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(y + (m0 + t) * N + cg * 16, acc[t]);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// Q4_0 forwards of many rows (a prompt: the draft model reads its window of the prompt in one forward) on AMX.
+// A block's 32 weights of 16 channels, unpacked as chunk_codes gives them (8 vectors, byte 4 c + i of vector j =
+// code[c][4 j + i]) less the offset 8, are a signed tile product's B operand as they are; 16 rows' activation codes
+// of the block are its A operand. Each product is one block's exact integer sums, the offset already off, and the
+// float steps after it are the VNNI tile's, in its order: every row is bit for bit what that tile (and a one-row
+// forward) gives.
+constexpr bool kAmxQ4_0 = true;
+// Fewer rows: the VNNI tile alone (verify and draft forwards stay there; BENCHMARKS.md, "The draft's prompt on AMX").
+constexpr int64_t kAmxMinRows = 32;
+
+// Two sets of tiles, so that one block's product runs while the float steps of the block before it do:
+// activations [16 rows, 32 bytes] in 0 and 2, weights [8 rows of 4 codes x 16 channels, 64 bytes] in 1 and 3, sums
+// [16 rows, 16 channels] in 4 and 5.
+void configure_q4_0_tiles() {
+  TileConfig config;
+  for (int t : {0, 2}) config.rows[t] = 16, config.colsb[t] = 32;
+  for (int t : {1, 3}) config.rows[t] = 8, config.colsb[t] = 64;
+  for (int t : {4, 5}) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// One block's product into sums tile C (a macro: the tile intrinsics take their tile numbers as literal tokens).
+#define SPECDECODE_Q4_0_PRODUCT(A, B, C, blk)                   \
+  do {                                                          \
+    _tile_zero(C);                                              \
+    _tile_loadd(A, a.q + m0 * a.K + (blk) * 32, a.K);           \
+    _tile_loadd(B, b + (blk) * 512, 64);                        \
+    _tile_dpbssd(C, A, B);                                      \
+  } while (0)
+
+// Rows [m0, m0 + 16) of channel group cg, from its blocks' codes unpacked into `b` (512 bytes a block).
+void amx_q4_0_rows(const Acts& a, const Weight& w, const uint8_t* b, int64_t cg, int64_t m0, float* y, int64_t N) {
+  alignas(64) int32_t sums[16][16];
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  auto float_steps = [&](int64_t blk) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + (cg * w.nb + blk) * 16)));
+    for (int t = 0; t < 16; ++t) {
+      const float xd = a.xd[(m0 + t) * (a.K / 32) + blk];
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[t])), _mm512_mul_ps(d, _mm512_set1_ps(xd)),
+                               acc[t]);
+    }
+  };
+  SPECDECODE_Q4_0_PRODUCT(0, 1, 4, 0);
+  for (int64_t blk = 0; blk < w.nb; blk += 2) {
+    const bool pair = blk + 1 < w.nb;
+    if (pair) SPECDECODE_Q4_0_PRODUCT(2, 3, 5, blk + 1);
+    _tile_stored(4, sums, 64);
+    float_steps(blk);
+    if (blk + 2 < w.nb) SPECDECODE_Q4_0_PRODUCT(0, 1, 4, blk + 2);
+    if (pair) {
+      _tile_stored(5, sums, 64);
+      float_steps(blk + 1);
+    }
+  }
+  for (int t = 0; t < 16; ++t) _mm512_storeu_ps(y + (m0 + t) * N + cg * 16, acc[t]);
+}
+#undef SPECDECODE_Q4_0_PRODUCT
+
+// Channel groups [first, last) of a Q4_0 layer, its whole 16-row tiles -> the rows done (the VNNI tile does the
+// rest). A channel group's codes are unpacked once for all its rows.
+int64_t amx_q4_0(const Acts& a, const Weight& w, int64_t first, int64_t last, int64_t M, int64_t N, float* y) {
+  thread_local std::vector<uint8_t> unpacked;
+  const size_t need = static_cast<size_t>(w.nb * 512) + 64;
+  if (unpacked.size() < need) unpacked.resize(need);
+  uint8_t* b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+  const __m512i offset = _mm512_set1_epi8(8);
+  const int64_t whole = M / 16 * 16;
+  configure_q4_0_tiles();
+  for (int64_t cg = first; cg < last; ++cg) {
+    for (int64_t blk = 0; blk < w.nb; ++blk)
+      for (int j = 0; j < 8; ++j)
+        _mm512_store_si512(b + blk * 512 + j * 64, _mm512_sub_epi8(chunk_codes<4>(w, cg * w.nb + blk, j), offset));
+    for (int64_t m = 0; m < whole; m += 16) amx_q4_0_rows(a, w, b, cg, m, y, N);
+  }
+  _tile_release();
+  return whole;
+}
+#endif
+
 #else
 constexpr int kTile = 4;  // both halves' running sums of 4 rows fill the 16 registers (the tile below)
 
@@ -247,6 +330,13 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
 }
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AMX_TILE__) && \
+      defined(__AMX_INT8__))
+constexpr bool kAmxQ4_0 = false;
+constexpr int64_t kAmxMinRows = 0;
+int64_t amx_q4_0(const Acts&, const Weight&, int64_t, int64_t, int64_t, int64_t, float*) { return 0; }
+#endif
+
 using TileFn = void (*)(const Acts&, const Weight&, int64_t, int64_t, float*, int64_t);
 
 template <int BITS, int OFF, int... T>
@@ -304,7 +394,9 @@ LinearWork linear_c16_legacy_work(const at::Tensor& x, const at::Tensor& codes, 
   LinearWork work;
   work.units = ng;
   const int lines = bits == 8 ? 8 : 4;
-  work.run = [a, w, fns, M, N, yp, bp, lines](int64_t first, int64_t last) {
+  // A prompt's rows of a Q4_0 layer on AMX, where the CPU has it (bit-identical rows: see amx_q4_0_rows)
+  const bool amx = kAmxQ4_0 && bits == 4 && offset == 8 && M >= kAmxMinRows && amx_on();
+  work.run = [a, w, fns, M, N, yp, bp, lines, amx](int64_t first, int64_t last) {
     // The first blocks of this thread's share, asked for at once: the tiles prefetch kAhead blocks ahead of
     // themselves, and a small layer (the draft model's k, v, o) would otherwise start each share at the memory's
     // latency, block by block.
@@ -313,8 +405,10 @@ LinearWork linear_c16_legacy_work(const at::Tensor& x, const at::Tensor& codes, 
       if (w.hi != nullptr) prefetch_weights(w.hi + at * 64);
       prefetch_weights(w.d + at * 16);
     }
-    run_channel_groups(first, last, M, N, kTile, yp, bp,
-                       [&](int64_t cg, int64_t m, int64_t rows) { (*fns)[rows - 1](a, w, cg, m, yp, N); });
+    const int64_t done = amx ? amx_q4_0(a, w, first, last, M, N, yp) : 0;  // whole 16-row tiles
+    run_channel_groups(first, last, M, N, kTile, yp, bp, [&](int64_t cg, int64_t m, int64_t rows) {
+      if (m >= done) (*fns)[rows - 1](a, w, cg, m, yp, N);
+    });
   };
   work.done = [y] { return y; };
   work.y = yp, work.rows = M, work.cols = N;

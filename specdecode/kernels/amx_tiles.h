@@ -1,0 +1,16 @@
+// AMX tile state, shared by the kernels that multiply a prompt's rows in tiles: quant_c16_cpu.cpp (Q4_K, Q6_K) and
+// quant_c16_legacy_cpu.cpp (Q4_0).
+#pragma once
+#include <cstdint>
+
+// The 64-byte tile configuration (palette 1): each tile's rows and bytes a row. Tile state is per thread.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether tile products may run in this process: built with AMX, the system granted the tile state and
+// SPECDECODE_AMX is not 0 (defined in quant_c16_cpu.cpp).
+bool amx_on();
