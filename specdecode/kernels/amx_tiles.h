@@ -1,7 +1,9 @@
 // AMX tile state, shared by the kernels that multiply a prompt's rows in tiles: quant_c16_cpu.cpp (Q4_K, Q6_K) and
 // quant_c16_legacy_cpu.cpp (Q4_0).
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 // The 64-byte tile configuration (palette 1): each tile's rows and bytes a row. Tile state is per thread.
 struct alignas(64) TileConfig {
@@ -14,3 +16,11 @@ struct alignas(64) TileConfig {
 // Whether tile products may run in this process: built with AMX, the system granted the tile state and
 // SPECDECODE_AMX is not 0 (defined in quant_c16_cpu.cpp).
 bool amx_on();
+
+// This thread's scratch for a channel group's unpacked weights: at least `bytes`, 64-byte aligned (tile loads want
+// whole lines), kept from call to call.
+inline uint8_t* tile_scratch(size_t bytes) {
+  thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < bytes + 64) buffer.resize(bytes + 64);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+}

@@ -632,11 +632,8 @@ void amx_q6k_rows(const C16Acts& a, const C16Weight& w, const uint8_t* b, int64_
 // does the rest, and the bias is added after). A channel group's weights are unpacked once for all its rows.
 int64_t amx_rows(const C16Acts& a, const C16Weight& w, int bits, int64_t first, int64_t last, int64_t M, int64_t N,
                  float* y) {
-  thread_local std::vector<uint8_t> unpacked;
   const int64_t per_superblock = bits == 4 ? kQ4UnpackedPerSuperblock : kQ6UnpackedPerSuperblock;
-  const size_t need = static_cast<size_t>(w.nsb * per_superblock) + 64;
-  if (unpacked.size() < need) unpacked.resize(need);
-  uint8_t* b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+  uint8_t* b = tile_scratch(static_cast<size_t>(w.nsb * per_superblock));
   const int64_t whole = M / 16 * 16;
   configure_tiles();
   for (int64_t cg = first; cg < last; ++cg) {

@@ -176,7 +176,6 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
 // of the block are its A operand. Each product is one block's exact integer sums, the offset already off, and the
 // float steps after it are the VNNI tile's, in its order: every row is bit for bit what that tile (and a one-row
 // forward) gives.
-constexpr bool kAmxQ4_0 = true;
 // Fewer rows: the VNNI tile alone (verify and draft forwards stay there; BENCHMARKS.md, "The draft's prompt on AMX").
 constexpr int64_t kAmxMinRows = 32;
 
@@ -206,7 +205,8 @@ void amx_q4_0_rows(const Acts& a, const Weight& w, const uint8_t* b, int64_t cg,
   __m512 acc[16];
   for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
   auto float_steps = [&](int64_t blk) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + (cg * w.nb + blk) * 16)));
+    const auto* d16 = reinterpret_cast<const __m256i*>(w.d + (cg * w.nb + blk) * 16);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(d16));
     for (int t = 0; t < 16; ++t) {
       const float xd = a.xd[(m0 + t) * (a.K / 32) + blk];
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[t])), _mm512_mul_ps(d, _mm512_set1_ps(xd)),
@@ -232,10 +232,7 @@ void amx_q4_0_rows(const Acts& a, const Weight& w, const uint8_t* b, int64_t cg,
 // Channel groups [first, last) of a Q4_0 layer, its whole 16-row tiles -> the rows done (the VNNI tile does the
 // rest). A channel group's codes are unpacked once for all its rows.
 int64_t amx_q4_0(const Acts& a, const Weight& w, int64_t first, int64_t last, int64_t M, int64_t N, float* y) {
-  thread_local std::vector<uint8_t> unpacked;
-  const size_t need = static_cast<size_t>(w.nb * 512) + 64;
-  if (unpacked.size() < need) unpacked.resize(need);
-  uint8_t* b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+  uint8_t* b = tile_scratch(static_cast<size_t>(w.nb * 512));
   const __m512i offset = _mm512_set1_epi8(8);
   const int64_t whole = M / 16 * 16;
   configure_q4_0_tiles();
@@ -332,7 +329,6 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
 
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AMX_TILE__) && \
       defined(__AMX_INT8__))
-constexpr bool kAmxQ4_0 = false;
 constexpr int64_t kAmxMinRows = 0;
 int64_t amx_q4_0(const Acts&, const Weight&, int64_t, int64_t, int64_t, int64_t, float*) { return 0; }
 #endif
@@ -394,8 +390,9 @@ LinearWork linear_c16_legacy_work(const at::Tensor& x, const at::Tensor& codes, 
   LinearWork work;
   work.units = ng;
   const int lines = bits == 8 ? 8 : 4;
-  // A prompt's rows of a Q4_0 layer on AMX, where the CPU has it (bit-identical rows: see amx_q4_0_rows)
-  const bool amx = kAmxQ4_0 && bits == 4 && offset == 8 && M >= kAmxMinRows && amx_on();
+  // A prompt's rows of a Q4_0 layer on AMX, where the CPU has it (bit-identical rows: see amx_q4_0_rows); amx_on()
+  // is false in a build without the tiles
+  const bool amx = bits == 4 && offset == 8 && M >= kAmxMinRows && amx_on();
   work.run = [a, w, fns, M, N, yp, bp, lines, amx](int64_t first, int64_t last) {
     // The first blocks of this thread's share, asked for at once: the tiles prefetch kAhead blocks ahead of
     // themselves, and a small layer (the draft model's k, v, o) would otherwise start each share at the memory's
