@@ -295,6 +295,40 @@ def test_hybrid_output_distribution_is_the_targets_whichever_drafter_proposes(au
     assert_exact_distribution(counts, exact)
 
 
+def test_a_passed_over_draft_is_judged_against_the_tokens_that_followed():
+    from specdecode.drafters.base import Draft
+    from specdecode.drafters.hybrid import hindsight
+
+    tree = Draft(torch.tensor([5, 6, 7, 9, 6]), torch.tensor([-1, 0, 1, 0, -1]))  # two depth-1 nodes say 5 and 6
+    assert hindsight(tree, [5, 6, 8]) == ([0, 1], [0, 1, 2, 3, 4])
+    assert hindsight(tree, [5]) == ([0], [0, 4])  # deeper nodes cannot be judged yet
+    assert hindsight(tree, [6, 6]) == ([4], [0, 1, 3, 4])
+    assert hindsight(tree, []) == ([], [])
+
+
+def test_a_copier_passed_over_learns_from_what_followed(target):
+    """A copier the hybrid did not take still learns from its draft once the next tokens are known: right guesses
+    raise its own rate, so it is taken again where it copies well; wrong ones lower it. Its trust, which only
+    verified drafts move, stays."""
+    from specdecode.drafters.base import Draft
+
+    hybrid = HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64))
+    copier = hybrid.ngram
+    rate = copier.hits / copier.tried
+    copier.parents = [-1, 0, 1, 2]  # its last draft, a chain of four
+    chain = Draft.chain(torch.tensor([7, 8, 9, 10]), scores=[0.5, 0.25, 0.125, 0.0625])
+    hybrid.not_taken, hybrid.not_taken_at = [(copier, chain)], 3
+    hybrid._learn_in_hindsight([1, 2, 3, 7, 8, 9, 10, 11])
+    assert copier.hits / copier.tried > rate and hybrid.trust[copier].value == 1.0
+    assert hybrid.not_taken == []  # judged once
+
+    wrong = HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64))
+    wrong.ngram.parents = [-1, 0, 1, 2]
+    wrong.not_taken, wrong.not_taken_at = [(wrong.ngram, chain)], 3
+    wrong._learn_in_hindsight([1, 2, 3, 4, 5])
+    assert wrong.ngram.hits / wrong.ngram.tried < rate
+
+
 def test_ngram_matches_merge_into_a_trie():
     from specdecode.drafters.ngram import NgramIndex, trie
 

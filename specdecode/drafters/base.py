@@ -171,6 +171,10 @@ class Drafter:
         """The target kept these nodes of the last draft (root to leaf); roll own state to match. `verified`:
         the nodes of that draft the target saw (the planner may have cut it to fewer), None = all."""
 
+    def passed_over(self, accepted: list[int], verified: list[int]) -> None:
+        """Its last draft was not taken (another drafter proposed): what it would have given against the tokens
+        that followed (as `commit` takes them), to learn from; its state stays as it is."""
+
     def behind(self, tokens: list[int]) -> int:
         """Tokens its own state lacks: what its next draft first feeds (a prompt, or steps it sat out)."""
         return 0

@@ -56,6 +56,12 @@ class NgramDrafter(Drafter):
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None, scores)
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
+        self._learn(accepted, verified)
+
+    def passed_over(self, accepted: list[int], verified: list[int]) -> None:
+        self._learn(accepted, verified)
+
+    def _learn(self, accepted: list[int], verified: list[int] | None) -> None:
         # One trial per accepted node that had verified children (and the root): was one of them accepted?
         seen = range(len(self.parents)) if verified is None else verified
         has_children = {self.parents[i] for i in seen}
