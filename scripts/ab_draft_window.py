@@ -6,7 +6,9 @@ window at several sizes, beside `none`, in one process (one load, the same cost 
     python scripts/ab_draft_window.py --windows all,128,64 kinds/rag.jsonl kinds/summary.jsonl
 
 Each prompt runs once per setting, the settings' order rotated from prompt to prompt; every run starts from the
-same memory of earlier answers (the suffix pool), and every output is checked token-identical to `none`. Prints
+same memory of earlier answers (the suffix pool) and of earlier prompts (the target's and the draft's prompt
+caches: without that, a setting that ran second on a prompt got its prefill for free), and every output is
+checked token-identical to `none`. Prints
 tokens/s per set (new tokens over wall time, prefill included) and the ratio to `none`.
 """
 
@@ -33,7 +35,10 @@ def main() -> None:
     plain = SpecDecoder(hybrid.engine.target, hybrid.tokenizer, NoDrafter(), "none", None, costs=hybrid.engine.costs)
     drafter = hybrid.engine.drafter
     assert isinstance(drafter, HybridDrafter), "the default method's drafter"
-    memory = [(m, m.snapshot()) for m in drafter.memories()]
+    # Every `hybrid` run starts from the same memories: the suffix pool, the draft's recent prompts and the target's
+    # (restored before each run, else a setting run after another on the same prompt reads its prefill for free)
+    stores = [*drafter.memories(), *([hybrid.engine.prompt_cache] if hybrid.engine.prompt_cache is not None else [])]
+    memory = [(m, m.snapshot()) for m in stores]
     settings = ["none", *args.windows.split(",")]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     for decoder in (plain, hybrid):  # warm-up
