@@ -185,7 +185,6 @@ class Trust:
         return self.given / max(self.promised, 1e-9)  # promised only decays while drafts are cut to nothing
 
 
-
 def hindsight(draft: Draft, followed: list[int]) -> tuple[list[int], list[int]]:
     """What a draft would have given against the tokens that `followed` its root: (its accepted path, root to
     leaf; the nodes that can be judged, those no deeper than the tokens known), as `commit` takes them."""
