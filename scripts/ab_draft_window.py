@@ -8,8 +8,8 @@ window at several sizes, beside `none`, in one process (one load, the same cost 
 Each prompt runs once per setting, the settings' order rotated from prompt to prompt; every run starts from the
 same memory of earlier answers (the suffix pool) and of earlier prompts (the target's and the draft's prompt
 caches: without that, a setting that ran second on a prompt got its prefill for free), and every output is
-checked token-identical to `none`. Prints
-tokens/s per set (new tokens over wall time, prefill included) and the ratio to `none`.
+checked token-identical to `none`. Prints tokens/s per set (new tokens over wall time, prefill included) and the
+ratio to `none`.
 """
 
 from __future__ import annotations

@@ -306,7 +306,7 @@ def test_a_passed_over_draft_is_judged_against_the_tokens_that_followed():
     assert hindsight(tree, []) == ([], [])
 
 
-def test_a_copier_passed_over_learns_from_what_followed(target):
+def test_a_copier_passed_over_learns_from_what_followed():
     """A copier the hybrid did not take still learns from its draft once the next tokens are known: right guesses
     raise its own rate, so it is taken again where it copies well; wrong ones lower it. Its trust, which only
     verified drafts move, stays."""

@@ -44,6 +44,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.wrapping import Wrapping
+from specdecode.masks import tree_depths
 from specdecode.model import Part
 from specdecode.planner import FIXED, Record
 
@@ -188,12 +189,10 @@ class Trust:
 def hindsight(draft: Draft, followed: list[int]) -> tuple[list[int], list[int]]:
     """What a draft would have given against the tokens that `followed` its root: (its accepted path, root to
     leaf; the nodes that can be judged, those no deeper than the tokens known), as `commit` takes them."""
+    parents = draft.parents.tolist()
     accepted: list[int] = []
     verified: list[int] = []
-    depth: list[int] = []
-    for i, (token, parent) in enumerate(zip(draft.tokens.tolist(), draft.parents.tolist())):
-        d = 1 if parent < 0 else depth[parent] + 1
-        depth.append(d)
+    for i, (token, parent, d) in enumerate(zip(draft.tokens.tolist(), parents, tree_depths(parents))):
         if d > len(followed):
             continue
         verified.append(i)

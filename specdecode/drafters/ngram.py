@@ -56,12 +56,6 @@ class NgramDrafter(Drafter):
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None, scores)
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
-        self._learn(accepted, verified)
-
-    def passed_over(self, accepted: list[int], verified: list[int]) -> None:
-        self._learn(accepted, verified)
-
-    def _learn(self, accepted: list[int], verified: list[int] | None) -> None:
         # One trial per accepted node that had verified children (and the root): was one of them accepted?
         seen = range(len(self.parents)) if verified is None else verified
         has_children = {self.parents[i] for i in seen}
@@ -70,6 +64,8 @@ class NgramDrafter(Drafter):
             if node in has_children:
                 self.tried += 1
                 self.hits += i + 1 < len(on_path)
+
+    passed_over = commit  # all its commit does is learn, and a draft passed over teaches the same
 
 
 def trie(continuations: Sequence[Sequence[int]], max_tokens: int) -> tuple[list[int], list[int], list[float]]:

@@ -111,12 +111,6 @@ class RecycleDrafter(Drafter):
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None, scores)
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
-        self._learn(accepted, verified)
-
-    def passed_over(self, accepted: list[int], verified: list[int]) -> None:
-        self._learn(accepted, verified)
-
-    def _learn(self, accepted: list[int], verified: list[int] | None) -> None:
         # One trial per verified node whose parent the target accepted: was it accepted too? (by its rank)
         on_path = {-1, *accepted}
         taken = set(accepted)
@@ -125,3 +119,5 @@ class RecycleDrafter(Drafter):
                 for record in (self, self.table):
                     record.tried[self.ranks[node]] += 1
                     record.hits[self.ranks[node]] += node in taken
+
+    passed_over = commit  # all its commit does is learn, and a draft passed over teaches the same
