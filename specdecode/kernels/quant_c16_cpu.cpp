@@ -238,8 +238,10 @@ void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y
     }
     for (int u = 0; u < nsub; ++u) {
       // Few rows: two accumulators per row (even and odd chunks), so vpdpbusd's latency is not one long chain.
-      // Integer sums: the split changes no bit of the result.
-      constexpr int kSplit = TILE <= 4 ? 2 : 1;
+      // Q4_K at any rows: each half's sum (16 weights) fits the low int16 of its lane (below). Integer sums: the
+      // split changes no bit of the result.
+      constexpr bool kHalvesFit = BITS == 4;
+      constexpr int kSplit = TILE <= 4 || kHalvesFit ? 2 : 1;
       __m512i part[kSplit][TILE];
       for (int h = 0; h < kSplit; ++h)
         for (int t = 0; t < TILE; ++t) part[h][t] = _mm512_setzero_si512();
@@ -257,10 +259,28 @@ void tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, float* y
         for (int t = 0; t < TILE; ++t)
           part[j % kSplit][t] = _mm512_dpbusd_epi32(part[j % kSplit][t], codes, bcast4(rows[t] + col + 4 * j));
       }
+      if constexpr (kHalvesFit) {
+        // A half's sum is at most 16 x 15 x 128 < 2^15 in magnitude: its lane is that int16, sign-extended. One
+        // vpdpwssd against (scale, 0) pairs scales it and adds it in, exactly: two instructions a row where vpmulld
+        // (two micro-ops) and two adds were four. Several rows are bound by these instructions, not by the
+        // weights' read (BENCHMARKS.md, "Eight rows at the instructions' rate").
+        const __m512i scale = _mm512_cvtepu16_epi32(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + u * 16))));
+        for (int t = 0; t < TILE; ++t)
+          isum[t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[t], part[0][t], scale), part[1][t], scale);
+        continue;
+      }
+      // Q5_K, Q6_K: a sub-block's sum s (|s| < 2^23) is 256 h + l with l its low byte and h = s >> 8 (< 2^15 in
+      // magnitude): one byte shuffle puts l and h in the two int16 halves of the lane, and one vpdpwssd against
+      // (scale, 256 scale) pairs adds l scale + h 256 scale = s scale, exactly, where vpmulld and an add took three
+      // micro-ops. Scales are int8: 256 scale fits an int16.
       const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + u * 16)));
+      const __m512i scale_pairs = _mm512_mask_blend_epi16(0xAAAAAAAA, scale, _mm512_slli_epi32(scale, 24));
+      const __m512i low_high = _mm512_broadcast_i32x4(
+          _mm_setr_epi8(0, -128, 1, 2, 4, -128, 5, 6, 8, -128, 9, 10, 12, -128, 13, 14));  // bytes (0, zero, 1, 2)
       for (int t = 0; t < TILE; ++t) {
         const __m512i sum = kSplit == 2 ? _mm512_add_epi32(part[0][t], part[kSplit - 1][t]) : part[0][t];
-        isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sum, scale));
+        isum[t] = _mm512_dpwssd_epi32(isum[t], _mm512_shuffle_epi8(sum, low_high), scale_pairs);
       }
     }
     const __m512 d = load_f16x16(w.d + at * 16);
