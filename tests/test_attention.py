@@ -16,9 +16,12 @@ kernels = cpu_kernels()
 
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_attention_matches_sdpa(dtype):
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 16), (14, 2, 64), (12, 1, 128)])
+def test_kernel_attention_matches_sdpa(dtype, heads, kv_heads, dim):
+    """Query heads per KV head odd and even, fewer and more than one group of the kernel's (three pairs of heads
+    for the scores, six heads for the values): the 0.5B draft's 14 / 2 heads of 64, the 1.5B's 12 / 2 of 128."""
     torch.manual_seed(0)
-    heads, kv_heads, dim, slots = 6, 2, 16, 40
+    slots = 40
     q = torch.randn(1, heads, 4, dim)
     k, v = torch.randn(1, kv_heads, slots, dim).to(dtype), torch.randn(1, kv_heads, slots, dim).to(dtype)
     spans = [21, 22, 23, 24]  # a prefix of 20 cached slots, then a chain of 4 new tokens
@@ -180,12 +183,14 @@ def test_linears_run_together_equal_each_alone(rows):
 
 
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
-@pytest.mark.parametrize(("dim", "dtype"), [(64, torch.float32), (128, torch.float32), (24, torch.bfloat16)])
-def test_kernel_attention_rows_together_equal_each_alone(dim, dtype):
+@pytest.mark.parametrize(("dim", "dtype", "heads"), [(64, torch.float32, 6), (128, torch.float32, 6),
+                                                    (24, torch.bfloat16, 6), (64, torch.float32, 14),
+                                                    (128, torch.float32, 12), (64, torch.float32, 28)])
+def test_kernel_attention_rows_together_equal_each_alone(dim, dtype, heads):
     """Rows attended together read the cache once for all of them (in chunks of rows): each row's output is
     bit-identical to a call with that row alone, for chain rows, tree rows and long prefixes."""
     torch.manual_seed(1)
-    heads, kv_heads, slots = 6, 2, 300
+    kv_heads, slots = 2, 300
     k, v = torch.randn(1, kv_heads, slots, dim).to(dtype), torch.randn(1, kv_heads, slots, dim).to(dtype)
     cases = [
         ([250 + t for t in range(19)], []),  # a chain of 19 rows after 250 cached slots: three chunks

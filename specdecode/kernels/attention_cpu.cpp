@@ -51,6 +51,53 @@ inline __m256 sum8(const __m256* a) {
   return _mm256_hadd_ps(quad[0], quad[1]);
 }
 
+#if defined(__AVX512F__)
+// Scores of P pairs of heads against eight keys: the pair's two heads share a vector (the first in the low eight
+// lanes, the second in the high), each key broadcast to both halves, and every key's broadcast serves all P pairs.
+// Every lane runs the eight-lane path's multiply-adds in its order, so the scores are its bits. `pairs`: the
+// pairs' queries interleaved by eight lanes (pair p's lanes for d at pairs + 2 (p D + d)); head h of the group's
+// eight scores go to scores + h * s_stride. With `odd` the last pair's second head is a copy of its first, not
+// stored.
+template <int P, bool odd>
+inline void score_pairs(const float* pairs, const float* const* keys, int64_t D, float scale, float* scores,
+                        int64_t s_stride) {
+  __m512 a[P][8];
+  for (int p = 0; p < P; ++p)
+    for (int i = 0; i < 8; ++i) a[p][i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m512 qd[P];
+    for (int p = 0; p < P; ++p) qd[p] = _mm512_loadu_ps(pairs + 2 * (p * D + d));
+    for (int i = 0; i < 8; ++i) {
+      const __m512 key = _mm512_broadcast_f32x8(_mm256_loadu_ps(keys[i] + d));
+      for (int p = 0; p < P; ++p) a[p][i] = _mm512_fmadd_ps(qd[p], key, a[p][i]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    __m256 half[8];
+    for (int i = 0; i < 8; ++i) half[i] = _mm512_castps512_ps256(a[p][i]);
+    _mm256_storeu_ps(scores + 2 * p * s_stride, _mm256_mul_ps(sum8(half), _mm256_set1_ps(scale)));
+    if (odd && p == P - 1) break;
+    for (int i = 0; i < 8; ++i) half[i] = _mm512_extractf32x8_ps(a[p][i], 1);
+    _mm256_storeu_ps(scores + (2 * p + 1) * s_stride, _mm256_mul_ps(sum8(half), _mm256_set1_ps(scale)));
+  }
+}
+#endif
+
+// How far ahead attention asks for the cache rows it reads next (the shared prefix's, in slot order): a one-row
+// forward's attention is bound by reading the cache, which no layer's weights leave in the caches. A scratch copy
+// of the loop over 28 layers' caches with the caches flushed: 34 -> 27 us per KV head and layer at one row, 300
+// slots (16 and 4 ahead; 32 keys ahead or 8 values were no better).
+constexpr int64_t kKeysAhead = 16;
+constexpr int64_t kValuesAhead = 4;
+
+// `count` cache rows of `width` values each, from `row` on, into L1.
+template <typename T>
+inline void prefetch_rows(const T* row, int64_t count, int64_t width) {
+  const char* begin = reinterpret_cast<const char*>(row);
+  const int64_t bytes = count * width * static_cast<int64_t>(sizeof(T));
+  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(begin + at, _MM_HINT_T0);
+}
+
 // q . key over D in one chain of fused multiply-adds, then the fixed lane sum: the same operations for every key.
 template <typename T>
 inline float dot(const float* q, const T* key, int64_t D) {
@@ -69,11 +116,12 @@ inline float dot(const float* q, const T* key, int64_t D) {
 // softmax denominator eight lane chains over the slots then the fixed lane sum. So a row's result depends only on
 // its own slots, never on the other rows or heads of the call.
 // Row t, head g: q and out at q + (t - t0) * D + g * stride; its scores at scores + ((t - t0) * G + g) * s_stride,
-// s_stride >= its slots + 8; inv_total: (t1 - t0) * G floats of room.
+// s_stride >= its slots + 8; inv_total: (t1 - t0) * G floats of room; pairs: (t1 - t0) * (G + 1) * D floats.
 template <typename T>
 void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T* k, const T* v,
                  const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras, int64_t t0,
-                 int64_t t1, int64_t D, float scale, float* scores, int64_t s_stride, float* inv_total) {
+                 int64_t t1, int64_t D, float scale, float* scores, int64_t s_stride, float* inv_total,
+                 float* pairs) {
   static const std::vector<int64_t> none;
   const int64_t R = t1 - t0;
   auto extra = [&](int64_t r) -> const std::vector<int64_t>& { return extras.empty() ? none : extras[t0 + r]; };
@@ -83,28 +131,36 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
   for (int64_t r = 0; r < R; ++r) shared = std::min(shared, spans[t0 + r]), longest = std::max(longest, count(r));
   // scores, eight keys at a time (eight independent chains, then one transposed sum that adds each key's lanes
   // in lane_sum's order: the same bits as dot()): the shared slots once for every row, then each row's own
+#if defined(__AVX512F__)
+  // each row's queries in head pairs interleaved by eight lanes, for score_pairs (an odd last head pairs with itself)
+  const int64_t pair_count = (G + 1) / 2;
+  if constexpr (std::is_same_v<T, float>)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < 2 * pair_count; ++h) {
+        const float* from = q + r * D + std::min(h, G - 1) * stride;
+        float* to = pairs + (r * pair_count + h / 2) * 2 * D + 8 * (h % 2);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(to + 2 * d, _mm256_loadu_ps(from + d));
+      }
+#endif
   auto eight = [&](int64_t r, int64_t j, const T* const* keys) {
     int64_t g = 0;
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {
-      // two heads a vector: head g in the low eight lanes, g + 1 in the high, each key broadcast to both halves.
-      // Every lane runs the eight-lane path's multiply-adds in its order, so the scores are its bits, at half the
-      // instructions (a verify forward's eight rows spent most of their attention here).
-      for (; g + 2 <= G; g += 2) {
-        const float* q0 = q + r * D + g * stride;
-        const float* q1 = q0 + stride;
-        __m512 a[8];
-        for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m512 qd =
-              _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q0 + d)), _mm256_loadu_ps(q1 + d), 1);
-          for (int i = 0; i < 8; ++i)
-            a[i] = _mm512_fmadd_ps(qd, _mm512_broadcast_f32x8(_mm256_loadu_ps(keys[i] + d)), a[i]);
-        }
-        __m256 low[8], high[8];
-        for (int i = 0; i < 8; ++i) low[i] = _mm512_castps512_ps256(a[i]), high[i] = _mm512_extractf32x8_ps(a[i], 1);
-        _mm256_storeu_ps(scores + (r * G + g) * s_stride + j, _mm256_mul_ps(sum8(low), _mm256_set1_ps(scale)));
-        _mm256_storeu_ps(scores + (r * G + g + 1) * s_stride + j, _mm256_mul_ps(sum8(high), _mm256_set1_ps(scale)));
+      // two heads a vector (score_pairs), in groups of at most three pairs (24 sums in registers) as even as the
+      // pairs allow: a fourth of the eight-lane path's instructions, the same bits
+      const int64_t groups = (pair_count + 2) / 3;
+      for (int64_t group = 0; group < groups; ++group) {
+        const int64_t p = pair_count / groups + (group < pair_count % groups);
+        const bool odd = 2 * p > G - g;
+        const float* qp = pairs + (r * pair_count + g / 2) * 2 * D;
+        float* sg = scores + (r * G + g) * s_stride + j;
+        if (p == 3) odd ? score_pairs<3, true>(qp, keys, D, scale, sg, s_stride)
+                        : score_pairs<3, false>(qp, keys, D, scale, sg, s_stride);
+        else if (p == 2) odd ? score_pairs<2, true>(qp, keys, D, scale, sg, s_stride)
+                             : score_pairs<2, false>(qp, keys, D, scale, sg, s_stride);
+        else odd ? score_pairs<1, true>(qp, keys, D, scale, sg, s_stride)
+                 : score_pairs<1, false>(qp, keys, D, scale, sg, s_stride);
+        g = std::min(G, g + 2 * p);
       }
     }
 #endif
@@ -126,6 +182,7 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
   int64_t j = 0;
   for (; j + 8 <= shared; j += 8) {
     slots8(0, j, keys);  // shared slots: the same for every row
+    if (j + kKeysAhead + 8 <= shared) prefetch_rows(k + (j + kKeysAhead) * D, 8, D);
     for (int64_t r = 0; r < R; ++r) eight(r, j, keys);
   }
   const int64_t own = j;
@@ -146,7 +203,14 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
       const int64_t n = count(r);
       float* s = scores + (r * G + g) * s_stride;
       float top = -INFINITY;
-      for (j = 0; j < n; ++j) top = std::max(top, s[j]);
+      j = 0;
+#if defined(__AVX512F__)
+      // the maximum is the same number in any order; s[j] first, as std::max keeps `top` over a NaN score
+      __m512 most = _mm512_set1_ps(-INFINITY);
+      for (; j + 16 <= n; j += 16) most = _mm512_max_ps(_mm512_loadu_ps(s + j), most);
+      top = _mm512_reduce_max_ps(most);
+#endif
+      for (; j < n; ++j) top = std::max(top, s[j]);
       const __m256 shift = _mm256_set1_ps(top);
       __m256 lanes = _mm256_setzero_ps();
       for (j = 0; j < n; j += 8) {
@@ -160,10 +224,57 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
       }
       inv_total[r * G + g] = 1.f / lane_sum(lanes);
     }
-  // weighted sums of v, unnormalised, into `out`: 64 output lanes (eight chains) per pass, tiles of kSlots slots
-  // read once for all rows and heads; the partial sums wait in `out` between tiles (a store and a load change no bit)
+  // weighted sums of v, unnormalised, into `out`: 64 output lanes per pass, tiles of kSlots slots read once for all
+  // rows and heads; the partial sums wait in `out` between tiles (a store and a load change no bit)
   constexpr int64_t kSlots = 32;
   int64_t d0 = 0;
+#if defined(__AVX512F__)
+  // NH heads of a row at once: each value row's 64 lanes are loaded once for all of them, 4 NH independent chains
+  // (one head's four were bound by the multiply-add's latency). Each lane's multiply-adds are the eight-lane
+  // path's, in the same order.
+  auto weigh = [&](auto heads, int64_t r, int64_t g0, int64_t j0, int64_t end) {
+    constexpr int NH = decltype(heads)::value;
+    __m512 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      const float* o = out + r * D + (g0 + h) * stride + d0;
+      for (int c = 0; c < 4; ++c) acc[h][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + 16 * c);
+    }
+    const float* s = scores + (r * G + g0) * s_stride;
+    for (int64_t jj = j0; jj < end; ++jj) {
+      const T* row = v + slot(r, jj) * D + d0;
+      if (g0 == 0 && r == 0 && jj + kValuesAhead < shared) prefetch_rows(v + (jj + kValuesAhead) * D + d0, 1, 64);
+      __m512 value[4];
+      for (int c = 0; c < 4; ++c) value[c] = load16(row + 16 * c);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 w = _mm512_set1_ps(s[h * s_stride + jj]);
+        for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_fmadd_ps(w, value[c], acc[h][c]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      float* o = out + r * D + (g0 + h) * stride + d0;
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + 16 * c, acc[h][c]);
+    }
+  };
+  const int64_t groups = (G + 5) / 6;  // at most six heads a group: 24 sums, their value row and a weight in registers
+  for (; d0 + 64 <= D; d0 += 64)
+    for (int64_t j0 = 0; j0 < longest; j0 += kSlots)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t end = std::min(count(r), j0 + kSlots);
+        if (j0 >= end) continue;
+        for (int64_t group = 0, g0 = 0; group < groups; ++group) {
+          const int64_t heads = G / groups + (group < G % groups);
+          switch (heads) {
+            case 1: weigh(std::integral_constant<int, 1>(), r, g0, j0, end); break;
+            case 2: weigh(std::integral_constant<int, 2>(), r, g0, j0, end); break;
+            case 3: weigh(std::integral_constant<int, 3>(), r, g0, j0, end); break;
+            case 4: weigh(std::integral_constant<int, 4>(), r, g0, j0, end); break;
+            case 5: weigh(std::integral_constant<int, 5>(), r, g0, j0, end); break;
+            default: weigh(std::integral_constant<int, 6>(), r, g0, j0, end); break;
+          }
+          g0 += heads;
+        }
+      }
+#else
   for (; d0 + 64 <= D; d0 += 64)
     for (int64_t j0 = 0; j0 < longest; j0 += kSlots)
       for (int64_t r = 0; r < R; ++r) {
@@ -172,17 +283,6 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
         for (int64_t g = 0; g < G; ++g) {
           const float* s = scores + (r * G + g) * s_stride;
           float* o = out + r * D + g * stride + d0;
-#if defined(__AVX512F__)
-          // sixteen lanes a vector: each lane's multiply-adds are the eight-lane path's, in the same order
-          __m512 acc[4];
-          for (int c = 0; c < 4; ++c) acc[c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + 16 * c);
-          for (j = j0; j < end; ++j) {
-            const __m512 w = _mm512_set1_ps(s[j]);
-            const T* row = v + slot(r, j) * D + d0;
-            for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(w, load16(row + 16 * c), acc[c]);
-          }
-          for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
-#else
           __m256 acc[8];
           for (int c = 0; c < 8; ++c) acc[c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
           for (j = j0; j < end; ++j) {
@@ -191,9 +291,9 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
             for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(row + 8 * c), acc[c]);
           }
           for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
-#endif
         }
       }
+#endif
   for (; d0 < D; d0 += 8)
     for (int64_t r = 0; r < R; ++r)
       for (int64_t g = 0; g < G; ++g) {
@@ -234,15 +334,16 @@ LinearWork attend_work(const at::Tensor& q, const at::Tensor& k_cache, const at:
   LinearWork work;
   work.units = q.size(0) * decode_attention_units(T_, Hkv);
   work.run = [=, &spans, &extras](int64_t first, int64_t last) {
-    thread_local std::vector<float> scores, inv_total;
+    thread_local std::vector<float> scores, inv_total, pairs;
     scores.resize(std::max<size_t>(scores.size(), kRows * group * (longest + 8)));
     inv_total.resize(std::max<size_t>(inv_total.size(), kRows * group));
+    pairs.resize(std::max<size_t>(pairs.size(), kRows * (group + 1) * D));
     for (int64_t i = first; i < last; ++i) {
       const int64_t b = i / (Hkv * chunks), kvh = (i / chunks) % Hkv, t0 = (i % chunks) * kRows;
       const int64_t t1 = std::min(T_, t0 + kRows);
       const int64_t kv = (b * Hkv + kvh) * S_max * D, row = ((b * H + kvh * group) * T_ + t0) * D;
       attend_rows(qp + row, op + row, T_ * D, group, kp + kv, vp + kv, spans, extras, t0, t1, D, scale,
-                  scores.data(), longest + 8, inv_total.data());
+                  scores.data(), longest + 8, inv_total.data(), pairs.data());
     }
   };
   work.done = [out] { return out; };
