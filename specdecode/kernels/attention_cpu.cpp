@@ -147,7 +147,7 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {
       // two heads a vector (score_pairs), in groups of at most three pairs (24 sums in registers) as even as the
-      // pairs allow: a fourth of the eight-lane path's instructions, the same bits
+      // pairs allow: at six heads half the eight-lane path's multiply-adds and a fifth of its loads, the same bits
       const int64_t groups = (pair_count + 2) / 3;
       for (int64_t group = 0; group < groups; ++group) {
         const int64_t p = pair_count / groups + (group < pair_count % groups);
