@@ -6,7 +6,8 @@
 // q [B, H, T, D] float32; k_cache, v_cache [B, Hkv, S_max, D] float32 or bfloat16. Row t attends to slots
 // [0, spans[t]) and then to the slots extras[t] in order (a tree node's ancestors: empty for a chain). A tree row
 // whose ancestors sit at scattered slots thus runs exactly the operations a one-token forward of its path runs
-// over contiguous slots. Grouped-query attention: head h reads KV head h / (H / Hkv). Returns [B, H, T, D] float32.
+// over contiguous slots. Grouped-query attention: head h reads KV head h / (H / Hkv). Returns [B, H, T, D] float32,
+// a view of [B, T, H, D] memory: each row's heads side by side, the o projection's input without a copy.
 #include "aten_lite.h"
 #include <immintrin.h>
 
@@ -115,10 +116,11 @@ inline float dot(const float* q, const T* key, int64_t D) {
 // operations: each score is its own chain over d, each output lane one chain over the row's slots in order, the
 // softmax denominator eight lane chains over the slots then the fixed lane sum. So a row's result depends only on
 // its own slots, never on the other rows or heads of the call.
-// Row t, head g: q and out at q + (t - t0) * D + g * stride; its scores at scores + ((t - t0) * G + g) * s_stride,
+// Row t, head g: q at q + (t - t0) * D + g * stride, out at out + (t - t0) * out_row + g * D (rows of all heads:
+// the o projection's input as it is); its scores at scores + ((t - t0) * G + g) * s_stride,
 // s_stride >= its slots + 8; inv_total: (t1 - t0) * G floats of room; pairs: (t1 - t0) * (G + 1) * D floats.
 template <typename T>
-void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T* k, const T* v,
+void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, int64_t G, const T* k, const T* v,
                  const std::vector<int64_t>& spans, const std::vector<std::vector<int64_t>>& extras, int64_t t0,
                  int64_t t1, int64_t D, float scale, float* scores, int64_t s_stride, float* inv_total,
                  float* pairs) {
@@ -236,7 +238,7 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
     constexpr int NH = decltype(heads)::value;
     __m512 acc[NH][4];
     for (int h = 0; h < NH; ++h) {
-      const float* o = out + r * D + (g0 + h) * stride + d0;
+      const float* o = out + r * out_row + (g0 + h) * D + d0;
       for (int c = 0; c < 4; ++c) acc[h][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + 16 * c);
     }
     const float* s = scores + (r * G + g0) * s_stride;
@@ -251,7 +253,7 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
       }
     }
     for (int h = 0; h < NH; ++h) {
-      float* o = out + r * D + (g0 + h) * stride + d0;
+      float* o = out + r * out_row + (g0 + h) * D + d0;
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + 16 * c, acc[h][c]);
     }
   };
@@ -282,7 +284,7 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
         if (j0 >= end) continue;
         for (int64_t g = 0; g < G; ++g) {
           const float* s = scores + (r * G + g) * s_stride;
-          float* o = out + r * D + g * stride + d0;
+          float* o = out + r * out_row + g * D + d0;
           __m256 acc[8];
           for (int c = 0; c < 8; ++c) acc[c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
           for (j = j0; j < end; ++j) {
@@ -300,12 +302,12 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t G, const T*
         const float* s = scores + (r * G + g) * s_stride;
         __m256 acc = _mm256_setzero_ps();
         for (j = 0; j < count(r); ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), load8(v + slot(r, j) * D + d0), acc);
-        _mm256_storeu_ps(out + r * D + g * stride + d0, acc);
+        _mm256_storeu_ps(out + r * out_row + g * D + d0, acc);
       }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; d += 8) {
-        float* o = out + r * D + g * stride + d;
+        float* o = out + r * out_row + g * D + d;
         _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(inv_total[r * G + g])));
       }
 }
@@ -342,11 +344,11 @@ LinearWork attend_work(const at::Tensor& q, const at::Tensor& k_cache, const at:
       const int64_t b = i / (Hkv * chunks), kvh = (i / chunks) % Hkv, t0 = (i % chunks) * kRows;
       const int64_t t1 = std::min(T_, t0 + kRows);
       const int64_t kv = (b * Hkv + kvh) * S_max * D, row = ((b * H + kvh * group) * T_ + t0) * D;
-      attend_rows(qp + row, op + row, T_ * D, group, kp + kv, vp + kv, spans, extras, t0, t1, D, scale,
+      attend_rows(qp + row, op + ((b * T_ + t0) * H + kvh * group) * D, T_ * D, H * D, group, kp + kv, vp + kv, spans, extras, t0, t1, D, scale,
                   scores.data(), longest + 8, inv_total.data(), pairs.data());
     }
   };
-  work.done = [out] { return out; };
+  work.done = [out] { return out.permute({0, 2, 1, 3}); };  // [B, H, T, D], rows of all heads in memory
   return work;
 }
 
@@ -368,7 +370,7 @@ LinearWork decode_attention_work(const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t s : extras[t])
       TORCH_CHECK(s >= spans[t] && s < k_cache.size(2) && spans[t] + extras[t].size() <= size_t(k_cache.size(2)),
                   "extra slot out of the cache");
-  auto out = at::empty_like(q);
+  auto out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());  // [B, T, H, D]
   if (k_cache.scalar_type() == at::kFloat) return attend_work<float>(q, k_cache, v_cache, spans, extras, out);
   TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "caches must be float32 or bfloat16");
   return attend_work<at::BFloat16>(q, k_cache, v_cache, spans, extras, out);

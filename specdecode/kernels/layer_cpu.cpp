@@ -207,12 +207,13 @@ Works attention_works(const DecoderLayer& l, const at::Tensor& q_out, const at::
   return attention;
 }
 
-// The attention works' outputs, once run -> the o projection's input [T, H * D].
+// The attention works' outputs, once run -> the o projection's input [T, H * D]: a view of a lone sequence's
+// output (the kernel writes each row's heads side by side), one concatenation of a batch's.
 at::Tensor attention_output(const Works& attention, int64_t T, int64_t width) {
   std::vector<at::Tensor> parts;
-  for (const auto& work : attention.works) parts.push_back(work.done());
-  const auto attn = parts.size() == 1 ? parts[0] : at::cat(parts, 2);  // [1, H, T, D]
-  return attn.transpose(1, 2).reshape({T, width});
+  for (const auto& work : attention.works) parts.push_back(work.done().transpose(1, 2));  // [1, T, H, D] each
+  const auto attn = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+  return attn.reshape({T, width});
 }
 
 }  // namespace
