@@ -343,8 +343,10 @@ LinearWork attend_work(const at::Tensor& q, const at::Tensor& k_cache, const at:
     for (int64_t i = first; i < last; ++i) {
       const int64_t b = i / (Hkv * chunks), kvh = (i / chunks) % Hkv, t0 = (i % chunks) * kRows;
       const int64_t t1 = std::min(T_, t0 + kRows);
-      const int64_t kv = (b * Hkv + kvh) * S_max * D, row = ((b * H + kvh * group) * T_ + t0) * D;
-      attend_rows(qp + row, op + ((b * T_ + t0) * H + kvh * group) * D, T_ * D, H * D, group, kp + kv, vp + kv, spans, extras, t0, t1, D, scale,
+      const int64_t kv = (b * Hkv + kvh) * S_max * D;
+      const float* q_rows = qp + ((b * H + kvh * group) * T_ + t0) * D;  // q is [B, H, T, D]
+      float* out_rows = op + ((b * T_ + t0) * H + kvh * group) * D;       // out is [B, T, H, D]
+      attend_rows(q_rows, out_rows, T_ * D, H * D, group, kp + kv, vp + kv, spans, extras, t0, t1, D, scale,
                   scores.data(), longest + 8, inv_total.data(), pairs.data());
     }
   };
