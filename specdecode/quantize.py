@@ -94,10 +94,11 @@ def _bias_or_empty(bias: torch.Tensor | None) -> torch.Tensor:
 
 
 class QuantEmbedding(nn.Module):
-    """Token embeddings kept in blocks: only the looked-up rows are de-quantized. The rows of the tokens of
-    decode steps are kept (a few thousand, the most recent): de-quantizing one row takes ~20 small tensor
-    operations, 50-120 us, a per-forward cost a small draft model felt, and text repeats its common tokens.
-    A row is the same however it is computed: the cache changes no bit."""
+    """Token embeddings kept in blocks: only the looked-up rows are de-quantized. On the CPU kernels that is one
+    native call (kernels/embedding_cpu.cpp). Elsewhere the rows of the tokens of decode steps are kept (a few
+    thousand, the most recent): de-quantizing one row takes ~20 small tensor operations, 50-300 us, a per-forward
+    cost a small draft model felt, and text repeats its common tokens. A row is the same however it is computed:
+    neither the kernel nor the cache changes a bit."""
 
     CACHED_ROWS = 2048  # ~7 MB for a 896-wide draft model, ~12 MB for a 1536-wide target
     FEW = 64  # lookups of at most this many rows use and fill the cache (a prompt's chunk does not)
@@ -107,9 +108,16 @@ class QuantEmbedding(nn.Module):
         self.packed = packed
         self.dtype = dtype
         self._rows: dict[int, torch.Tensor] = {}  # token -> its row, oldest first
+        kernels = cpu_kernels() if packed.d.device.type == "cpu" else None
+        self._native = None if kernels is None else kernels.embedding_rows
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         flat = tokens.reshape(-1)
+        if self._native is not None and flat.device.type == "cpu":
+            p, f = self.packed, self.packed.format
+            rows = self._native(flat.long().contiguous(), p.qs, p.qh, p.scales, p.mins, p.d, p.dmin, f.bits,
+                                f.superblock, f.group, f.sub_scales, f.has_min)
+            return rows.view(*tokens.shape, -1).to(self.dtype)
         if flat.numel() > self.FEW:
             rows = self.packed.rows(flat).dequantize()  # [B * T, d]
             return rows.view(*tokens.shape, -1).to(self.dtype)

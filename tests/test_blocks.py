@@ -155,6 +155,23 @@ def test_embedding_rows_decode_as_the_whole_matrix():
     assert torch.equal(w.rows(rows).dequantize(), w.dequantize()[rows])
 
 
+@needs_kernel
+@pytest.mark.parametrize("type_name", TYPES)
+def test_native_embedding_rows_are_the_reference_bits(type_name):
+    """A decode step's embedding rows come from one native call: bit for bit what de-quantizing them gives, for
+    a few rows (on the calling thread) and a prompt's many (in parallel), repeats included."""
+    from specdecode.quantize import QuantEmbedding
+
+    w = packed(type_name, out=80, inp=512)
+    embedding = QuantEmbedding(w, torch.float32)
+    for ids in ([[7]], [[3, 7, 3, 79, 0]], [list(range(80)) + [5, 5]]):
+        tokens = torch.tensor(ids)
+        expected = w.rows(tokens.reshape(-1)).dequantize().view(*tokens.shape, -1)
+        assert torch.equal(embedding(tokens), expected)
+    with pytest.raises(RuntimeError, match="outside"):
+        embedding(torch.tensor([[80]]))
+
+
 def test_the_kernels_build_wherever_they_can():
     """A build error must fail here, not turn every kernel test into a skip."""
     import shutil

@@ -97,13 +97,14 @@ def test_sampling_self_draft_on_blocks_is_always_accepted(mode):
 
 
 def test_embedding_rows_are_the_same_from_its_cache(monkeypatch):
-    """Decode steps' embedding rows come from a small cache of recent tokens: the same bits as de-quantizing
-    them, duplicates and evictions included."""
+    """Without the CPU kernels, decode steps' embedding rows come from a small cache of recent tokens: the same
+    bits as de-quantizing them, duplicates and evictions included."""
     from specdecode.blocks import quantize_float
     from specdecode.quantize import QuantEmbedding
 
     packed = quantize_float(torch.randn(50, 64), "q8_0")
     embedding = QuantEmbedding(packed, torch.float32)
+    embedding._native = None  # the path without the CPU kernels
     monkeypatch.setattr(QuantEmbedding, "CACHED_ROWS", 4)
     for ids in ([[3]], [[3, 7, 3, 9]], [[1, 2, 5, 7, 3]], [[3, 1]], [list(range(40))], [[49, 0]]):
         tokens = torch.tensor(ids)

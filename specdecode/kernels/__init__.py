@@ -2,7 +2,7 @@
 
 `cpu_kernels()` returns the compiled module (`linear_fp32`, `linear_bf16` from linear_cpu.cpp; `linear_quant` from
 quant_cpu.cpp; `linear_c16`, `repack_c16` from quant_c16_cpu.cpp
-(and `_legacy` from quant_c16_legacy_cpu.cpp); `rms_norm` from norm_cpu.cpp; `decode_attention` from attention_cpu.cpp; `argmax_rows`, `top1_probs`, `topk_probs`, `mask_disallowed` from argmax_cpu.cpp; `nucleus_probs`, `draw_rows` from sample_cpu.cpp;
+(and `_legacy` from quant_c16_legacy_cpu.cpp); `rms_norm` from norm_cpu.cpp; `decode_attention` from attention_cpu.cpp; `argmax_rows`, `top1_probs`, `topk_probs`, `mask_disallowed` from argmax_cpu.cpp; `nucleus_probs`, `draw_rows` from sample_cpu.cpp; `embedding_rows` from embedding_cpu.cpp;
 `DecoderStack`, `DecoderLayer`, `LinearOp`, `DecodeRows` from layer_cpu.cpp: a decode forward's layers in one call) or
 None where it cannot run: no AVX2/FMA, no C++ compiler, or a build error. Callers then fall back to PyTorch's own
 kernels, which are correct but neither flat in the number of tokens nor batch-invariant on such CPUs.
@@ -28,7 +28,7 @@ import torch
 from specdecode.errors import SpecdecodeError
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "activation_cpu.cpp", "argmax_cpu.cpp", "sample_cpu.cpp", "layer_cpu.cpp", "bindings.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "activation_cpu.cpp", "argmax_cpu.cpp", "sample_cpu.cpp", "embedding_cpu.cpp", "layer_cpu.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "layer_cpu.h", "team_cpu.h", "aten_lite.h",
                                                             "amx_tiles.h", "huge_pages.h")]
 

@@ -35,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_rows", &draw_rows, "one token a row of non-negative weights by inverse CDF in index order at u * total; "
         "-1 for a row of zeros");
   m.def("mask_disallowed", &mask_disallowed, "logits -inf where a grammar's token bitmask has no bit (in place)");
+  m.def("embedding_rows", &embedding_rows, "rows `tokens` of a weight in blocks.py's row layout, de-quantized to "
+        "float32 as PackedWeight.dequantize computes them");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32, batch-invariant");
   m.def("silu_mul_", &silu_mul_, "g = silu(g) * u in place, float32, each value by one fixed sequence of operations");
   m.def("rope_store", &rope_store, "rotary q and k, k and v into the cache, q as [B, H, T, D]");

@@ -140,6 +140,10 @@ at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<at::Tensor> top1_probs(const at::Tensor& x);
 std::vector<at::Tensor> topk_probs(const at::Tensor& x, int64_t k);
 void mask_disallowed(at::Tensor& logits, const at::Tensor& bits);
+at::Tensor embedding_rows(const at::Tensor& tokens, const at::Tensor& qs, const at::Tensor& qh,
+                          const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
+                          const at::Tensor& dmin, int64_t bits, int64_t superblock, int64_t group,
+                          bool sub_scales, bool has_min);
 at::Tensor nucleus_probs(const at::Tensor& logits, double temperature, double top_p);
 at::Tensor draw_rows(const at::Tensor& weights, const at::Tensor& u);
 at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
