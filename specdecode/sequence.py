@@ -114,7 +114,7 @@ class Sequence:
             self._hold(hidden)
         if self.prefilling:
             return None
-        if not self.keep_hidden:
+        if not self.keep_hidden and self.drafter.reads_hidden:
             self.hidden = hidden[-1:]
         return self._first_token(logits[-1:])
 
@@ -220,11 +220,12 @@ class Sequence:
         else:
             self.cache.truncate(start + 1)
             self.cache.keep(torch.tensor(accepted, device=device) + start + 1)
-        rows = hidden[torch.tensor([0] + [node + 1 for node in accepted], device=hidden.device)]
-        if self.keep_hidden:
-            self._hold(rows)
-        else:
-            self.hidden = rows
+        if self.drafter.reads_hidden:  # a gather, ~0.1 ms on the caches a forward flushed: only for a head
+            rows = hidden[torch.tensor([0] + [node + 1 for node in accepted], device=hidden.device)]
+            if self.keep_hidden:
+                self._hold(rows)
+            else:
+                self.hidden = rows
         if self.drafter.target_topk:  # the rows' tokens, built only for a drafter that reads them
             self._show_target(torch.cat((torch.tensor(self.tokens[-1:]), draft.tokens.cpu())), logits, draft.origin)
         if self.proposed:  # a drafter that was not asked has nothing to roll back or learn from

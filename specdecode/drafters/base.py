@@ -126,6 +126,7 @@ class Drafter:
 
     feature_layers: tuple[int, ...] = ()  # target layers whose inputs it reads (after the final hidden state)
     reads_every_position: bool = False  # hidden states of every position, not just the last step's
+    reads_hidden: bool = False  # reads DraftContext.hidden at all (a trained head); others get None
     forward_s: float = 0.0  # its running seconds per forward (the planner's estimate of a catch-up)
     drafting_s: float = 0.0  # what its last draft cost, catching up excluded
     cache_bytes_per_token: int = 0  # what its own KV cache holds per token of context (in the engine's KV budget)

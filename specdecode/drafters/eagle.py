@@ -181,6 +181,7 @@ class EagleDrafter(GrowsTrees):
     name = "eagle"
 
     reads_every_position = True  # every position's target features, not just the last step's (sequence.py)
+    reads_hidden = True
 
     def __init__(self, head: EagleHead, target: torch.nn.Module, feature_layers: tuple[int, ...],
                  width: int = TREE_WIDTH, expand: int = TREE_EXPAND, max_depth: int = 8,

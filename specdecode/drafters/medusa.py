@@ -74,6 +74,7 @@ def static_tree(accuracy: list[list[float]], max_nodes: int) -> list[tuple[int, 
 
 class MedusaDrafter(Drafter):
     name = "medusa"
+    reads_hidden = True  # its heads read the target's last hidden state
 
     def __init__(self, heads: MedusaHeads, accuracy: list[list[float]], width: int | None = None,
                  max_nodes: int = MAX_NODES) -> None:

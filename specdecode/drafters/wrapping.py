@@ -21,6 +21,7 @@ class Wrapping(Drafter):
 
     feature_layers = _inner("feature_layers")  # an EAGLE head reads every position's features, copied ones too
     reads_every_position = _inner("reads_every_position")
+    reads_hidden = _inner("reads_hidden")
     cache_bytes_per_token = _inner("cache_bytes_per_token")
     target_topk = _inner("target_topk")
     proposer = _inner("proposer")
