@@ -26,7 +26,7 @@ PROMPTS = DRAFTER_PROMPTS
 pytestmark = pytest.mark.usefixtures("costs_as_given")
 
 
-def test_the_pool_finds_the_longest_match_indexed_or_not(monkeypatch):
+def test_the_pool_finds_the_longest_match_its_index_merged_per_answer(monkeypatch):
     pool = SuffixPool(max_mb=1)
     pool.add([1, 2, 3, 4, 5])
     pool.add([9, 2, 3, 7, 8])
@@ -35,12 +35,46 @@ def test_the_pool_finds_the_longest_match_indexed_or_not(monkeypatch):
     positions, length = pool.matches(np.array([6, 2, 3]))
     assert length == 2 and sorted(pool.flat[p] for p in positions) == [4, 7]  # both continuations of "2 3"
     monkeypatch.setattr("specdecode.drafters.suffix_pool.MAX_CANDIDATES", 512)
-    for i in range(3000):  # enough to rebuild the sorted index; the answers after it are scanned
+    for i in range(3000):  # 12,000 tokens, each answer merged into the index as it comes
         pool.add([100 + i % 50, 200, 201, 202])
-    assert pool.indexed > 0 and pool.indexed < pool.flat.size
+    assert pool.indexed == pool.flat.size
+    keys, at = pool.keys.copy(), pool.at.copy()
+    pool._rebuild()  # each answer merged in as it came: the index a rebuild sorts from scratch
+    assert np.array_equal(keys, pool.keys) and np.array_equal(at, pool.at)
     positions, length = pool.matches(np.array([5, 2, 3]))
     assert length == 2 and sorted(pool.flat[p] for p in positions) == [4, 7]
     assert pool.matches(np.array([149, 200]))[1] == 2
+
+
+def test_matches_are_the_same_compared_in_python_or_numpy(monkeypatch):
+    """A few candidates are compared in Python, many in numpy: the same positions and lengths either way, for the
+    pool and for a request's own context (whose candidates come from its bigram index)."""
+    import specdecode.drafters.suffix as suffix
+    import specdecode.drafters.suffix_pool as suffix_pool
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 6, size=400).tolist()  # a small vocabulary: long and many matches
+    pool = SuffixPool(max_mb=1)
+    for start in range(0, 300, 60):
+        pool.add(tokens[start : start + 60])
+    drafter = SuffixDrafter(pool)
+    for end in range(2, 400, 7):
+        context, tail = tokens[:end], np.asarray(tokens[max(0, end - 32) : end])
+        found = {}
+        for few in (suffix_pool.FEW_CANDIDATES, 0):
+            monkeypatch.setattr(suffix_pool, "FEW_CANDIDATES", few)
+            monkeypatch.setattr(suffix, "FEW_CANDIDATES", few)
+            positions, length = pool.matches(tail)
+            own, own_length = drafter._own_matches(context)
+            found[few] = (positions.tolist(), length, list(own), own_length)
+        assert found[0] == found[suffix_pool.FEW_CANDIDATES]
+        # the context's own matches: as every earlier position of its last token, compared in numpy, finds them
+        own = np.asarray(context)
+        reference, length = suffix_pool.best_matches(own, np.flatnonzero(own[:-1] == own[-1]) + 1, own[-32:])
+        if length >= 2:
+            assert (found[0][2], found[0][3]) == (reference.tolist(), length)
+        else:
+            assert found[0][3] < 2
 
 
 def test_the_pool_stays_within_its_bytes_oldest_leaving_first():

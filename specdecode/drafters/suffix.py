@@ -16,7 +16,14 @@ import numpy as np
 
 from specdecode.drafters.base import DraftContext
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.suffix_pool import MAX_MATCH, SuffixPool, best_matches, continuations
+from specdecode.drafters.suffix_pool import (
+    FEW_CANDIDATES,
+    MAX_CANDIDATES,
+    MAX_MATCH,
+    SuffixPool,
+    best_matches,
+    continuations,
+)
 
 MIN_MATCH = 2  # a one-token match guesses little better than chance
 SPEC_FACTOR = 2  # draft depth per matched token (not swept)
@@ -36,11 +43,11 @@ class SuffixDrafter(NgramDrafter):
         return SuffixDrafter(self.pool, self.branches)
 
     def lookup(self, ctx: DraftContext, depth: int) -> list[np.ndarray]:
-        own = np.asarray(ctx.tokens, dtype=np.int64)
-        if own.size < MIN_MATCH or depth <= 0:
+        tokens = ctx.tokens
+        if len(tokens) < MIN_MATCH or depth <= 0:
             return []
-        tail = own[-MAX_MATCH:]
-        here, here_len = best_matches(own, np.flatnonzero(own[:-1] == own[-1]) + 1, tail)
+        tail = np.asarray(tokens[-MAX_MATCH:], dtype=np.int64)
+        here, here_len = self._own_matches(tokens)
         # A seeded sampled request must give the same text whatever ran before it: its draft (and so which draws
         # verification takes) may depend on its own context only, not on what the shared pool holds.
         seeded = ctx.params.seed is not None and ctx.params.temperature > 0
@@ -49,7 +56,7 @@ class SuffixDrafter(NgramDrafter):
         if best < MIN_MATCH:
             return []
         depth = min(depth, SPEC_FACTOR * best)
-        found = continuations(own, here, depth) if here_len == best else []
+        found = [np.asarray(tokens[p : p + depth], dtype=np.int64) for p in here] if here_len == best else []
         if there_len == best:
             found += continuations(self.pool.flat, there, depth)
         found = found[:MAX_CONTINUATIONS]
@@ -58,6 +65,29 @@ class SuffixDrafter(NgramDrafter):
             common = max(set(firsts), key=firsts.count)
             found = [run for run in found if run[0] == common][:1]
         return found
+
+    def _own_matches(self, tokens: list[int]) -> tuple[list[int], int]:
+        """The positions after the longest earlier matches of the context's end in the context itself, most recent
+        first, and that length (0: the last two tokens never occurred together before). Candidates come from the
+        bigram index kept up to date as the context grows; a few are compared in Python, many in numpy (each
+        numpy call costs tens of microseconds on the caches a forward flushed)."""
+        self.index.update(tokens)
+        candidates = self.index.follows.get(tuple(tokens[-MIN_MATCH:]), [])[::-1][:MAX_CANDIDATES]
+        if len(candidates) > FEW_CANDIDATES:
+            positions, length = best_matches(np.asarray(tokens, dtype=np.int64),
+                                             np.asarray(candidates[::-1], dtype=np.int64),
+                                             np.asarray(tokens[-MAX_MATCH:], dtype=np.int64))
+            return positions.tolist(), length
+        end, best, found = len(tokens), 0, []
+        for p in candidates:
+            n = MIN_MATCH  # the bigram matched
+            while n < MAX_MATCH and n < p and tokens[p - 1 - n] == tokens[end - 1 - n]:
+                n += 1
+            if n > best:
+                best, found = n, [p]
+            elif n == best:
+                found.append(p)
+        return found, best
 
     def memories(self) -> list:
         return [self.pool]

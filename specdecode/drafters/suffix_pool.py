@@ -4,9 +4,8 @@ of an engine, bounded in bytes, optionally kept in a file across restarts.
 The answers sit in one flat int32 array, each followed by a -1 separator. Where the text continues the way an
 earlier answer did, the context's last tokens occur in it: `matches` finds the occurrences with the longest match
 (up to MAX_MATCH tokens), by looking up the context's last two tokens in an index sorted by bigram (binary search)
-and extending backwards, all candidates at once in numpy. Answers added since the index was last sorted are
-scanned directly until they make up a tenth of the pool; then the index is rebuilt (O(n log n), amortised).
-When the pool outgrows its bytes, the oldest answers leave.
+and extending backwards (a few candidates in Python, many at once in numpy). Each answer's bigrams are merged into
+the index when it is added. When the pool outgrows its bytes, the oldest answers leave (and the index is rebuilt).
 
 Why our own: ArcticInference's suffix tree (the implementation vLLM's `suffix` method uses) ships as a source
 distribution only, built with CMake against torch, nanobind 2.9.2, a pinned protobuf 5.29 and grpcio-tools,
@@ -36,6 +35,7 @@ from specdecode.errors import SpecdecodeError
 DEFAULT_POOL_MB = 64.0
 MAX_MATCH = 32  # the longest suffix compared (a longer match predicts no better)
 MAX_CANDIDATES = 512  # occurrences of the last bigram extended backwards, most recent first
+FEW_CANDIDATES = 32  # compared in Python; more in numpy
 BYTES_PER_TOKEN = 24  # each answer (4), the flat array (4), its sorted bigram keys (8) and positions (8)
 FORMAT = 1
 SAVE_EVERY_S = 30.0  # a pool with a file writes it at most this often while serving (and when closed)
@@ -71,9 +71,29 @@ def best_matches(tokens: np.ndarray, candidates: np.ndarray, tail: np.ndarray) -
     if candidates.size == 0:
         return candidates, 0
     candidates = candidates[::-1][:MAX_CANDIDATES]
+    if candidates.size <= FEW_CANDIDATES:
+        return _best_of_few(tokens, candidates.tolist(), tail.tolist())
     lengths = match_lengths(tokens, candidates, tail)
     best = int(lengths.max())
     return candidates[lengths == best], best
+
+
+def _best_of_few(tokens: np.ndarray, candidates: list[int], tail: list[int]) -> tuple[np.ndarray, int]:
+    """best_matches for a few candidates, in Python: the same lengths as match_lengths, without its dozen numpy
+    calls (each costs tens of microseconds on the caches a forward flushed)."""
+    depth = min(len(tail), MAX_MATCH)
+    wanted = tail[::-1][:depth]  # wanted[k - 1] = tail[-k]
+    best, found = 0, []
+    for p in candidates:
+        before = tokens[max(0, p - depth) : p].tolist()[::-1]  # before[k - 1] = tokens[p - k]
+        n = 1  # tokens[p - 1] == tail[-1]: how the candidates were found
+        while n < len(before) and before[n] == wanted[n]:
+            n += 1
+        if n > best:
+            best, found = n, [p]
+        elif n == best:
+            found.append(p)
+    return np.asarray(found, dtype=np.int64), best
 
 
 class SuffixPool:
@@ -91,7 +111,7 @@ class SuffixPool:
         self.flat = np.empty(0, dtype=np.int32)
         self.keys = np.empty(0, dtype=np.int64)  # bigram keys of the indexed positions, sorted
         self.at = np.empty(0, dtype=np.int64)  # the positions (after each bigram), ascending within a key
-        self.indexed = 0  # positions of `flat` before this are in the index
+        self.indexed = 0  # positions of `flat` before this are in the index (all, once add returns)
         self.changed = False
         self.saved_at = time.monotonic()
         # The compute thread adds answers while a save (a background writer, or the exit's) reads them.
@@ -117,8 +137,23 @@ class SuffixPool:
             self._rebuild()
             return
         self.flat = np.concatenate((self.flat, tokens, [SEPARATOR])).astype(np.int32, copy=False)
-        if self.flat.size - self.indexed > max(4096, self.flat.size // 10):
-            self._rebuild()
+        self._index_from(self.indexed)
+
+    def _index_from(self, begin: int) -> None:
+        """Positions [begin, end) of `flat` into the sorted index: their keys sorted and merged in (an O(n) copy
+        once per answer), after the equal keys already there, so positions stay ascending within a key. Scanning
+        the answers not yet indexed instead cost each step a few numpy passes over them."""
+        start = max(begin, 2)
+        region = self.flat[start - 2 :].astype(np.int64)
+        keys = _key(region[:-2], region[1:-1])  # the bigram before position p = start .. n - 1
+        valid = (region[:-2] >= 0) & (region[1:-1] >= 0)
+        at = np.flatnonzero(valid) + start
+        keys = keys[valid]
+        order = np.argsort(keys, kind="stable")
+        keys, at = keys[order], at[order]
+        where = np.searchsorted(self.keys, keys, side="right")
+        self.keys, self.at = np.insert(self.keys, where, keys), np.insert(self.at, where, at)
+        self.indexed = self.flat.size
 
     def snapshot(self) -> tuple[np.ndarray, ...]:
         return tuple(self.answers)
@@ -134,13 +169,9 @@ class SuffixPool:
         flat = self.flat
         if tail.size < 2 or flat.size < 3:
             return np.empty(0, dtype=np.int64), 0
-        key = _key(tail[-2], tail[-1])
-        lo, hi = np.searchsorted(self.keys, [key, key + 1])
-        indexed = self.at[lo:hi]
-        start = max(self.indexed, 2)  # positions not in the index yet: scanned
-        recent = start + np.flatnonzero((flat[start - 1 : -1] == tail[-1]) & (flat[start - 2 : -2] == tail[-2]))
-        candidates = np.concatenate((indexed, recent))
-        return best_matches(flat, candidates, tail)
+        key = int(tail[-2]) * (1 << 31) + int(tail[-1])  # _key's, in Python ints
+        lo, hi = np.searchsorted(self.keys, (key, key + 1))
+        return best_matches(flat, self.at[lo:hi], tail)  # every position is indexed (add, _rebuild)
 
     def _rebuild(self) -> None:
         parts = [np.append(a, SEPARATOR) for a in self.answers]
