@@ -140,6 +140,10 @@ class Part:
     logits_from: int = 0  # logits only for rows [logits_from, t)
     decode: bool = True  # rows computed as one-token forwards would (a prompt may go faster without)
     rows: RowSlots | None = None  # each row's slots where the caller knows them (a chain), else read off the mask
+    # Greedy verification reads only each row's argmax of its logits: asked for, the LM head finds it as it writes
+    # them (forward_parts sets row_argmax [t - logits_from], where the head can and no row holds a NaN)
+    wants_argmax: bool = False
+    row_argmax: torch.Tensor | None = None
 
     def mask(self) -> torch.Tensor:
         """The attention mask [1, 1, t, S]: as given, or built from `rows`. The CPU's decode rows attend by their
@@ -437,13 +441,27 @@ class Transformer(nn.Module):
             final = hidden[:, :size]
         else:
             final = torch.cat([hidden[s.begin + p.logits_from : s.end, :size] for s, p in zip(segments, parts)])
-        logits = self.lm_head(final[None])[0].float()  # [sum of wanted, vocab]
+        logits, argmax = self._head(final, parts)  # [sum of wanted, vocab], [sum of wanted] or None
         out, at = [], 0
         for seg, part in zip(segments, parts):
             count = seg.end - seg.begin - part.logits_from
             out.append((logits[at : at + count], hidden[seg.begin : seg.end]))
+            if argmax is not None and part.wants_argmax:
+                part.row_argmax = argmax[at : at + count]
             at += count
         return out
+
+    def _head(self, final: torch.Tensor, parts: list[Part]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head over `final` [N, d] -> (logits [N, vocab], each row's argmax or None). The argmax where a
+        part wants it and the head finds it as it writes the logits (quantize.QuantLinear): read afterwards, a
+        verify forward's logits come back from memory, the head having streamed its weights through the caches."""
+        head = self.lm_head
+        with_argmax = getattr(head, "forward_argmax", None) if final.dtype == torch.float32 else None  # (bfloat16
+        # logits are rounded before their argmax)
+        if with_argmax is not None and any(p.wants_argmax for p in parts):
+            logits, argmax = with_argmax(final)
+            return logits, argmax if argmax.numel() else None  # empty: a row holds a NaN, torch's argmax decides
+        return head(final[None])[0].float(), None
 
     def static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
                        mask: torch.Tensor, cache: KVCache, last: torch.Tensor | None,

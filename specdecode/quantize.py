@@ -88,6 +88,14 @@ class QuantLinear(nn.Module):
         out = self.op(x2).view(*x.shape[:-1], -1)  # bias added by the kernel
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
+    def forward_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, in] -> (outputs [M, out] float32, each row's argmax [M]: the first index of its largest output,
+        found as the kernel writes them; [0] where a row holds a NaN)."""
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        out, argmax = self.op.with_argmax(x)
+        return out, argmax
+
 
 def _bias_or_empty(bias: torch.Tensor | None) -> torch.Tensor:
     return bias.detach() if bias is not None else torch.empty(0)

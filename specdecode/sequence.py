@@ -72,6 +72,7 @@ class Sequence:
         self.draft = Draft.empty(device)
         self._depths: list[int] = []  # of this step's draft nodes, set by verify_part
         self._chain = True  # whether this step's draft is a chain, set by verify_part
+        self._verifying: Part | None = None  # this step's verify part (its logits' row argmax, where found)
         self.proposed = False  # whether the drafter was asked this step (and so has something to commit)
         self.draft_seconds = 0.0  # what proposing took this step
         self.finish_reason: str | None = None
@@ -197,10 +198,15 @@ class Sequence:
         start = self.cache.length
         ids = torch.cat((torch.tensor([self.tokens[-1]], device=device), draft.tokens.to(device)))
         if self._chain:
-            return chain_part(ids, self.cache)
-        positions = torch.tensor([start] + [start + d for d in self._depths], device=device)
-        spans, extras = tree_row_slots(start, parents)
-        return Part(ids, positions, self.cache, None, rows=RowSlots(spans, extras))  # its mask: tree_mask's
+            part = chain_part(ids, self.cache)
+        else:
+            positions = torch.tensor([start] + [start + d for d in self._depths], device=device)
+            spans, extras = tree_row_slots(start, parents)
+            part = Part(ids, positions, self.cache, None, rows=RowSlots(spans, extras))  # its mask: tree_mask's
+        # greedy verification of unshaped logits reads each row's argmax only: found as the LM head writes them
+        part.wants_argmax = self.params.greedy and not self.rules.active
+        self._verifying = part
+        return part
 
     def verified(self, logits: torch.Tensor, hidden: torch.Tensor) -> Step:
         """The target's logits [n + 1, vocab] and hidden states [n + 1, d] over verify_part's rows -> the Step."""
@@ -208,11 +214,13 @@ class Sequence:
         start = self.cache.length
         chain = self._chain
         shaped = self.rules.shape(logits, draft.tokens, None if chain else draft.parents)
+        part, self._verifying = self._verifying, None
+        argmax = part.row_argmax if part is not None and shaped is logits else None
         if chain:
-            verdict = verify_chain(shaped, draft.tokens.to(device), draft.probs, params, self.generator)
+            verdict = verify_chain(shaped, draft.tokens.to(device), draft.probs, params, self.generator, argmax)
         else:
             verdict = verify_tree(shaped, draft.tokens.to(device), draft.parents.tolist(), draft.probs, params,
-                                  self.generator)
+                                  self.generator, argmax)
         accepted = verdict.accepted_nodes
         # Valid now: the root and the accepted nodes. The emitted last token is fed next step.
         if accepted == list(range(len(accepted))):

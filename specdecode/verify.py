@@ -59,10 +59,11 @@ def verify_chain(
     draft_probs: torch.Tensor | None,  # [n, vocab] after the same transform as the target, or None (point mass)
     params: SamplingParams,
     generator: torch.Generator | None,
+    argmax: torch.Tensor | None = None,  # [n + 1] the logits' row argmax where the LM head found it (greedy)
 ) -> Verdict:
     n = draft_tokens.numel()
     if params.greedy:
-        choice = greedy_tokens(target_logits)  # [n + 1]
+        choice = greedy_tokens(target_logits) if argmax is None else argmax  # [n + 1]
         num_accepted = int((draft_tokens == choice[:n]).cumprod(0).sum())  # the step's one host sync
         return Verdict(choice[: num_accepted + 1], num_accepted)
 
@@ -117,6 +118,7 @@ def verify_tree(
     draft_probs: torch.Tensor | None,  # [n, vocab] the distribution each node was drawn from, or None (point masses)
     params: SamplingParams,
     generator: torch.Generator | None,
+    argmax: torch.Tensor | None = None,  # [n + 1] the logits' row argmax where the LM head found it (greedy)
 ) -> Verdict:
     children: list[list[int]] = [[] for _ in range(len(parents) + 1)]  # [node + 1] -> its children in draft order
     for node, parent in enumerate(parents):
@@ -124,7 +126,7 @@ def verify_tree(
     tokens = draft_tokens.tolist()
     path: list[int] = []
     if params.greedy:
-        choice = greedy_tokens(target_logits).tolist()  # [n + 1]
+        choice = (greedy_tokens(target_logits) if argmax is None else argmax).tolist()  # [n + 1]
         row = 0
         while (child := next((c for c in children[row] if tokens[c] == choice[row]), None)) is not None:
             path.append(child)

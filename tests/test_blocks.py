@@ -89,6 +89,36 @@ def test_every_row_is_computed_as_if_alone(type_name, out):
 
 
 @needs_kernel
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("out", [37, 16 * 300])
+def test_argmax_found_as_the_outputs_are_written_is_torchs(type_name, out):
+    """An LM head finds each row's argmax while its logits are in cache (greedy verification reads nothing else
+    of them): the same outputs as its plain call and torch's argmax of them, the first index on ties (across the
+    short runs and the threads' shares), and no indices where a row holds a NaN."""
+    from specdecode.blocks import with_rows
+
+    torch.manual_seed(3)
+    w = packed(type_name, out=out, inp=512, seed=3)
+    layer = QuantLinear(w, torch.randn(out), kernels)
+    x = torch.randn(9, 512)
+    for rows in (1, 2, 5, 9):
+        y, argmax = layer.forward_argmax(x[:rows])
+        assert torch.equal(y, layer(x[:rows])) and torch.equal(argmax, y.argmax(-1))
+    # every output the same: index 0, whichever run or thread reached the value first
+    same = QuantLinear(with_rows(w, torch.zeros(out, dtype=torch.long)), None, kernels)
+    assert same.forward_argmax(x[:3])[1].tolist() == [0, 0, 0]
+    # the largest in the last column (the last short run of the last share), then tied with the first
+    bias = torch.randn(out)
+    bias[-1] = 1e30  # a dot product of ~100 vanishes beside it: float32 steps are ~1e23 there
+    assert QuantLinear(w, bias, kernels).forward_argmax(x[:2])[1].tolist() == [out - 1] * 2
+    bias[0] = 1e30
+    assert QuantLinear(w, bias, kernels).forward_argmax(x[:2])[1].tolist() == [0, 0]
+    x[1, :] = float("nan")
+    y, argmax = layer.forward_argmax(x[:3])
+    assert argmax.numel() == 0 and torch.equal(y[0], layer(x[:1])[0])
+
+
+@needs_kernel
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0"])
 def test_units_shared_guided_or_fixed_give_the_same_bits(type_name, switch_both_ways):
     """The thread team takes a layer's 16-channel units in guided chunks (kernels.h, run_units) or in one fixed

@@ -79,6 +79,31 @@ def test_speculation_is_exact_for_the_target_as_run(mode):
         assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
 
 
+@pytest.mark.parametrize("mode", ["q8_0", "q4_k"])
+def test_greedy_verification_reads_the_argmax_the_head_found(mode, monkeypatch):
+    """A float32 target on blocks: greedy verification takes each row's argmax as the LM head found it while
+    writing the logits, and every method's output is plain decoding's."""
+    from specdecode.quantize import QuantLinear
+
+    found = []
+    plain_call = QuantLinear.forward_argmax
+
+    def counted(self, x):
+        out = plain_call(self, x)
+        found.append(out[1].numel())
+        return out
+
+    monkeypatch.setattr(QuantLinear, "forward_argmax", counted)
+    target = quantize_(tiny_native("qwen2", seed=0, **WIDE), mode)
+    draft = quantize_(tiny_native("qwen2", seed=1, **WIDE), mode)
+    prompt, params = [1, 2, 3, 4, 1, 2], SamplingParams(max_new_tokens=24)
+    plain = [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
+    assert len(found) >= 23 and all(found)
+    for drafter in (NgramDrafter(), DraftModelDrafter(draft, vocab_size=64)):
+        engine = Engine(target, drafter, num_draft_tokens=3)
+        assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
+
+
 def test_unknown_mode_is_refused():
     with pytest.raises(Exception, match="unknown quantization"):
         quantize_(tiny_native("qwen2"), "int3")

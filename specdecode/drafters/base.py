@@ -87,11 +87,14 @@ class Draft:
         parents = self.parents.tolist()
         new_parents = torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in kept],
                                    dtype=torch.long, device=self.parents.device)
-        at = torch.tensor(kept, dtype=torch.long, device=self.tokens.device)
-        probs = None if self.probs is None else self.probs[at.to(self.probs.device)]
+        tokens = self.tokens.tolist()  # lists, then one tensor: indexing a tensor costs more on a few nodes
+        kept_tokens = torch.tensor([tokens[i] for i in kept], dtype=torch.long, device=self.tokens.device)
+        probs = None
+        if self.probs is not None:
+            probs = self.probs[torch.tensor(kept, dtype=torch.long, device=self.probs.device)]
         scores = None if self.scores is None else [self.scores[i] for i in kept]
         origin = [self.origin[i] for i in kept] if self.origin is not None else list(kept)
-        return Draft(self.tokens[at], new_parents, probs, scores, origin)
+        return Draft(kept_tokens, new_parents, probs, scores, origin)
 
     def as_proposed(self, nodes: list[int]) -> list[int]:
         """Node indices of this draft -> indices in the draft the drafter proposed (what `commit` takes)."""

@@ -137,6 +137,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             std::vector<int64_t> spans, std::vector<std::vector<int64_t>> extras);
 
 at::Tensor argmax_rows(const at::Tensor& x);
+// A 16-channel linear layer's work run in full -> {its output [M, N], each row's argmax [M] as argmax_rows gives it,
+// or [0] where a row holds a NaN}
+std::vector<at::Tensor> run_with_argmax(const LinearWork& work);
 std::vector<at::Tensor> top1_probs(const at::Tensor& x);
 std::vector<at::Tensor> topk_probs(const at::Tensor& x, int64_t k);
 void mask_disallowed(at::Tensor& logits, const at::Tensor& bits);

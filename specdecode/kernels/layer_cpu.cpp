@@ -2,6 +2,7 @@
 // makes, in the same order.
 #include "layer_cpu.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <unistd.h>
@@ -128,6 +129,18 @@ at::Tensor LinearOp::operator()(const at::Tensor& x) const {
     }
   }
   TORCH_CHECK(false, "unknown linear kind ", kind);
+}
+
+std::vector<at::Tensor> LinearOp::with_argmax(const at::Tensor& x) const {
+  if (!has_units()) {
+    const auto y = (*this)(x).contiguous();
+    auto index = argmax_rows(y);
+    const int64_t* ip = index.data_ptr<int64_t>();
+    const bool nan = std::any_of(ip, ip + index.numel(), [](int64_t i) { return i < 0; });
+    return {y, nan ? at::empty({0}, index.options()) : index};
+  }
+  QuantizedActs acts;
+  return run_with_argmax(work(x, acts));
 }
 
 LinearWork LinearOp::work(const at::Tensor& x, QuantizedActs& acts) const {

@@ -21,6 +21,9 @@ struct LinearOp {
   std::vector<int64_t> ints;           // the kernel's integer arguments (bits, group, ...)
 
   at::Tensor operator()(const at::Tensor& x) const;
+  // {its output, each row's argmax (empty where a row holds a NaN)}: found as the outputs are written on the
+  // 16-channel kernels (an LM head's logits for greedy verification), else from the output after
+  std::vector<at::Tensor> with_argmax(const at::Tensor& x) const;
   // Its work on x, for a parallel region shared with other layers reading x (the float kernels and the row
   // kernel have no units: their `done` computes the whole output after the region).
   LinearWork work(const at::Tensor& x, QuantizedActs& acts) const;
