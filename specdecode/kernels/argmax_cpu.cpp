@@ -6,9 +6,11 @@
 #include "aten_lite.h"
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -145,14 +147,14 @@ std::vector<at::Tensor> run_with_argmax(const LinearWork& work) {
 // probabilities exp(x - max) / sum(exp(x - max)): what a greedy drafter keeps of a draft forward's logits (torch's
 // softmax and topk over a 32k head take ~120 us a row; k = 1 is a chain's child). Each share of the columns keeps
 // its own k best and its exp sum against its own maximum; the shares merge in column order. Index -1 (and
-// probability 0) where a row has a NaN or fewer than k values above -inf; the caller then asks torch.
-std::vector<at::Tensor> topk_probs(const at::Tensor& x, int64_t k) {
-  check_rows(x);
+// probability 0) where a row has a NaN or fewer than k values above -inf. Into ip, pp [M, k], which it fills.
+// Plain loops, no ATen calls: on the caches a forward has just flushed, each of those costs ~10 us.
+namespace {
+void topk_into(const at::Tensor& x, int64_t k, int64_t* ip, float* pp) {
   const int64_t M = x.size(0), V = x.size(1);
-  TORCH_CHECK(k >= 1 && k <= V, "k must be in [1, vocabulary]");
   const int64_t S = shares_of(V), width = (V + S - 1) / S;
-  auto index = at::full({M, k}, -1, x.options().dtype(at::kLong));
-  auto prob = at::zeros({M, k}, x.options());
+  std::fill(ip, ip + M * k, -1);
+  std::fill(pp, pp + M * k, 0.f);
   const float* xp = x.data_ptr<float>();
   std::vector<float> top(M * S * k, -INFINITY), share_max(M * S), share_sum(M * S);
   std::vector<int64_t> at(M * S * k, -1);
@@ -201,8 +203,6 @@ std::vector<at::Tensor> topk_probs(const at::Tensor& x, int64_t k) {
       }
     }
   });
-  int64_t* ip = index.data_ptr<int64_t>();
-  float* pp = prob.data_ptr<float>();
   std::vector<float> best(k);
   for (int64_t m = 0; m < M; ++m) {
     bool row_nan = false;
@@ -223,25 +223,41 @@ std::vector<at::Tensor> topk_probs(const at::Tensor& x, int64_t k) {
     }
     for (int64_t c = 0; c < k; ++c) pp[m * k + c] = std::exp(best[c] - peak) / total;
   }
-  return {index, prob};
+}
+}  // namespace
+
+// -> (index [M, k], probabilities [M, k], whether every row has them: else the caller asks torch)
+std::tuple<at::Tensor, at::Tensor, bool> topk_probs(const at::Tensor& x, int64_t k) {
+  check_rows(x);
+  TORCH_CHECK(k >= 1 && k <= x.size(1), "k must be in [1, vocabulary]");
+  auto index = at::empty({x.size(0), k}, x.options().dtype(at::kLong));
+  auto prob = at::empty({x.size(0), k}, x.options());
+  int64_t* ip = index.data_ptr<int64_t>();
+  topk_into(x, k, ip, prob.data_ptr<float>());
+  return {index, prob, std::all_of(ip, ip + index.numel(), [](int64_t i) { return i >= 0; })};
 }
 
 // Each row's argmax and the softmax probability of it, 1 / sum(exp(x - max)): what a greedy chain drafter keeps of
-// a draft forward's logits, without a softmax over the whole row. A row with a NaN: index -1, probability NaN.
-std::vector<at::Tensor> top1_probs(const at::Tensor& x) {
-  auto both = topk_probs(x, 1);
-  auto index = both[0].view({-1}), prob = both[1].view({-1});
+// a draft forward's logits, without a softmax over the whole row. A row of -inf only: index 0, probability NaN, as
+// torch gives. -> (index [M], probabilities [M], whether no row holds a NaN: else the caller asks torch)
+std::tuple<at::Tensor, at::Tensor, bool> top1_probs(const at::Tensor& x) {
+  check_rows(x);
+  auto index = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  auto prob = at::empty({x.size(0)}, x.options());
   int64_t* ip = index.data_ptr<int64_t>();
   float* pp = prob.data_ptr<float>();
+  topk_into(x, 1, ip, pp);
   const float* xp = x.data_ptr<float>();
+  bool ok = true;
   for (int64_t m = 0; m < x.size(0); ++m)
-    if (ip[m] < 0) {  // a row of -inf only: torch's argmax is 0 and its softmax NaN (0 / 0); a NaN: -1
+    if (ip[m] < 0) {  // a row of -inf only: torch's argmax is 0 and its softmax NaN (0 / 0); a NaN: torch decides
       bool row_nan = false;
       specdecode::row_max(xp + m * x.size(1), x.size(1), row_nan);
-      ip[m] = row_nan ? -1 : 0;
+      ip[m] = 0;
       pp[m] = NAN;
+      ok = ok && !row_nan;
     }
-  return {index, prob};
+  return {index, prob, ok};
 }
 
 // A grammar's token bitmask applied to logits in place: bit j of word w of a row set = token 32 w + j allowed, any

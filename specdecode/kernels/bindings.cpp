@@ -27,9 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_c16_legacy", &repack_c16_legacy, "32-weight blocks, row layout -> 16 output channels per vector");
   m.def("linear_c16_legacy", &linear_c16_legacy, "y = x @ W^T + b, 32-weight-block W with 16 channels per vector");
   m.def("argmax_rows", &argmax_rows, "each row's largest value's index, the first on ties; -1 for a row with a NaN");
-  m.def("top1_probs", &top1_probs, "each row's argmax and its softmax probability; index -1 for a row with a NaN");
-  m.def("topk_probs", &topk_probs, "each row's k largest values' indices, largest first, and their softmax "
-        "probabilities; index -1 for a row with a NaN or fewer than k values above -inf");
+  m.def("top1_probs", &top1_probs, "(each row's argmax, its softmax probability, False where a row holds a NaN)");
+  m.def("topk_probs", &topk_probs, "(each row's k largest values' indices, largest first, their softmax "
+        "probabilities, False where a row holds a NaN or fewer than k values above -inf)");
   m.def("nucleus_probs", &nucleus_probs, "softmax(logits / temperature) over each row's top-p nucleus, zero "
         "elsewhere; an empty tensor where a row holds a NaN or only -inf");
   m.def("draw_rows", &draw_rows, "one token a row of non-negative weights by inverse CDF in index order at u * total; "

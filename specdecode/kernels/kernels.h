@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // A linear layer's work, prepared (input quantized, output allocated): `run(first, last)` computes its units
@@ -140,8 +141,8 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // A 16-channel linear layer's work run in full -> {its output [M, N], each row's argmax [M] as argmax_rows gives it,
 // or [0] where a row holds a NaN}
 std::vector<at::Tensor> run_with_argmax(const LinearWork& work);
-std::vector<at::Tensor> top1_probs(const at::Tensor& x);
-std::vector<at::Tensor> topk_probs(const at::Tensor& x, int64_t k);
+std::tuple<at::Tensor, at::Tensor, bool> top1_probs(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor, bool> topk_probs(const at::Tensor& x, int64_t k);
 void mask_disallowed(at::Tensor& logits, const at::Tensor& bits);
 at::Tensor embedding_rows(const at::Tensor& tokens, const at::Tensor& qs, const at::Tensor& qh,
                           const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
