@@ -123,7 +123,7 @@ class Segment:
     begin: int
     end: int
     cache: KVCache
-    write_pos: torch.Tensor  # [end - begin] cache slots of the new tokens: cache.length onwards
+    write_pos: torch.Tensor | None  # [end - begin] cache slots of the new tokens; None: cache.length onwards
     attn_mask: torch.Tensor | None  # [B or 1, 1, end - begin, S]; None where rows are given
     rows: RowSlots | None  # decode mode: each row's slots; None = one attention call under attn_mask
     mask_rows: bool = False  # rows None: one attention call per row, each under its own row of attn_mask
@@ -238,6 +238,8 @@ class Attention(nn.Module):
         """One sequence's rows: q [B, T, H, hd], k, v [B, T, Hkv, hd] -> attention output [B, H, T, hd]."""
         B, T = q.shape[:2]
         rows, attn_mask, write_pos = seg.rows, seg.attn_mask, seg.write_pos
+        if write_pos is None:
+            write_pos = torch.arange(seg.cache.length, seg.cache.length + T, device=q.device)
         if (kernels := glue_kernels(q, k_cache)) is not None:  # rotary and cache writes in one call
             q = kernels.rope_store(q, k, v, cos.reshape(B, T, -1), sin.reshape(B, T, -1), k_cache, v_cache,
                                    write_pos)
@@ -421,27 +423,35 @@ class Transformer(nn.Module):
         if self.graphs is not None and len(parts) == 1 and (out := self.graphs.run(parts[0], feature_layers)):
             return [out]
         segments, begin = [], 0
-        for part in parts:
-            t, start = part.tokens.numel(), part.cache.length
-            write_pos = torch.arange(start, start + t, device=part.tokens.device)
+        for part in parts:  # the slots each writes: computed where the Python layers need them (an ATen call)
+            t = part.tokens.numel()
             rows = (part.rows or row_slots(part.attn_mask)) if part.decode else None
-            segments.append(Segment(begin, begin + t, part.cache, write_pos, None if rows else part.mask(), rows))
+            segments.append(Segment(begin, begin + t, part.cache, None, None if rows else part.mask(), rows))
             begin += t
-        if len(parts) == 1:  # a lone request's step: views, not copies (each tensor operation costs microseconds)
-            tokens, positions = parts[0].tokens[None], parts[0].positions[None]
+        # Each tensor operation between two forwards costs ~10 us on the caches the last one flushed: a lone
+        # request's step takes views, not copies, and none where the whole tensor is the answer.
+        one = len(parts) == 1
+        tokens = parts[0].tokens if one else torch.cat([p.tokens for p in parts])  # [N]
+        positions = parts[0].positions if one else torch.cat([p.positions for p in parts])
+        if (native := self._native_decode(segments)) is not None:
+            hidden = self._native_forward(native, tokens, positions, segments, feature_layers)  # [N, d (+ features)]
         else:
-            tokens = torch.cat([p.tokens for p in parts])[None]  # [1, N]
-            positions = torch.cat([p.positions for p in parts])[None]
-        hidden = self._layers(tokens, positions, segments, feature_layers)[0]  # [N, d (+ features)]
+            hidden = self._layers(tokens[None], positions[None], segments, feature_layers)[0]
         size = self.config.hidden_size
         # The rows whose logits are wanted: slices where they are (every row, or one part's tail), else gathered
-        if len(parts) == 1:
+        if one and parts[0].logits_from == 0 and hidden.shape[1] == size:
+            final = hidden
+        elif one:
             final = hidden[parts[0].logits_from :, :size]
         elif all(p.logits_from == 0 for p in parts):
             final = hidden[:, :size]
         else:
             final = torch.cat([hidden[s.begin + p.logits_from : s.end, :size] for s, p in zip(segments, parts)])
         logits, argmax = self._head(final, parts)  # [sum of wanted, vocab], [sum of wanted] or None
+        if one and logits.shape[0] == begin - parts[0].logits_from:  # the part's rows are every row
+            if argmax is not None and parts[0].wants_argmax:
+                parts[0].row_argmax = argmax
+            return [(logits, hidden)]
         out, at = [], 0
         for seg, part in zip(segments, parts):
             count = seg.end - seg.begin - part.logits_from
@@ -461,7 +471,8 @@ class Transformer(nn.Module):
         if with_argmax is not None and any(p.wants_argmax for p in parts):
             logits, argmax = with_argmax(final)
             return logits, argmax if argmax.numel() else None  # empty: a row holds a NaN, torch's argmax decides
-        return head(final[None])[0].float(), None
+        logits = head(final)  # [N, vocab]
+        return (logits if logits.dtype == torch.float32 else logits.float()), None
 
     def static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
                        mask: torch.Tensor, cache: KVCache, last: torch.Tensor | None,
@@ -479,15 +490,10 @@ class Transformer(nn.Module):
                 feature_layers: tuple[int, ...]) -> torch.Tensor:
         """Embedding, every decoder layer and the final norm -> hidden states [B, T, d], then the inputs of
         `feature_layers` (what an EAGLE-style head drafts from), [B, T, d * (1 + len(feature_layers))]."""
+        if tokens.shape[0] == 1 and (native := self._native_decode(segments)) is not None:
+            return self._native_forward(native, tokens[0], positions[0], segments, feature_layers)[None]
         x = self.model.embed_tokens(tokens)  # [B, T, d]
         cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, hd] each
-        if (native := self._native_layers(x, segments)) is not None:
-            # decode steps, every layer and the final norm in one native call: the same operations as the loop below
-            rows = cpu_kernels().DecodeRows(
-                [s.begin for s in segments], [s.end for s in segments], [s.cache.length for s in segments],
-                [s.rows.spans for s in segments], [s.rows.extras for s in segments],
-                [s.cache.k for s in segments], [s.cache.v for s in segments])  # fmt: skip
-            return native.forward(x[0], cos[0, 0], sin[0, 0], rows, list(feature_layers))[None]
         captured = []
         for i, block in enumerate(self.model.layers):
             if i in feature_layers:
@@ -497,6 +503,20 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         return torch.cat((x, *captured), dim=-1) if captured else x
 
+    def _native_forward(self, native, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                        feature_layers: tuple[int, ...]) -> torch.Tensor:
+        """Decode rows tokens, positions [N] through every layer and the final norm in one native call (the same
+        operations as the loop in _layers) -> hidden [N, d (+ features)]."""
+        x = self.model.embed_tokens(tokens)  # [N, d]
+        # every position is below its cache's length after the forward: no max over the positions (a host read)
+        bound = max(s.cache.length + s.end - s.begin for s in segments)
+        cos, sin = self._rotary_rows(positions, x.dtype, bound)  # [N, hd] each
+        rows = cpu_kernels().DecodeRows(
+            [s.begin for s in segments], [s.end for s in segments], [s.cache.length for s in segments],
+            [s.rows.spans for s in segments], [s.rows.extras for s in segments],
+            [s.cache.k for s in segments], [s.cache.v for s in segments])  # fmt: skip
+        return native.forward(x, cos, sin, rows, list(feature_layers))
+
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, 1, T, head_dim] of the rotary angles at `positions` [B, T]. On the CPU, rows of tables
         computed once for positions up to a power of two (six tensor operations a forward were ~0.1 ms, a
@@ -505,22 +525,30 @@ class Transformer(nn.Module):
         if positions.device.type != "cpu":  # no table: its length would need the largest position (a sync)
             angles = rotary_angles(positions, self.inv_freq)[:, None]
             return angles.cos().to(dtype), angles.sin().to(dtype)
+        bound = int(positions.max()) + 1 if positions.numel() else 1
+        cos, sin = self._rotary_rows(positions.reshape(-1), dtype, bound)
+        shape = (positions.shape[0], 1, positions.shape[1], -1)
+        return cos.view(shape), sin.view(shape)
+
+    def _rotary_rows(self, positions: torch.Tensor, dtype: torch.dtype,
+                     bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [N, head_dim] at `positions` [N] (CPU), every one below `bound`: rows of the table."""
         table = self._rotary_table
         if table is None or table.inv_freq is not self.inv_freq or table.dtype != dtype:
             table = self._rotary_table = RotaryTable(self.inv_freq, dtype)
-        cos, sin = table.upto(int(positions.max()) + 1 if positions.numel() else 1)
-        flat, shape = positions.reshape(-1), (positions.shape[0], 1, positions.shape[1], -1)
-        return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
+        cos, sin = table.upto(bound)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
-    def _native_layers(self, x: torch.Tensor, segments: list[Segment]):
+    def _native_decode(self, segments: list[Segment]):
         """The decoder layers and the final norm as one native decode step (kernels/layer_cpu.h, DecoderStack), or
         None where the Python loop must run:
-        not float32 on the CPU, a batch of several rows, a prefill segment, a float32 cache missing, or a linear
-        layer that is not on a kernel (a LoRA adapter, for one). Built once and rebuilt if a layer is replaced."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1:
-            return None
-        if any(s.rows is None or s.cache.k.dtype != torch.float32 for s in segments):
-            return None
+        a prefill segment, a cache not float32 on the CPU (caches are made in the model's dtype and device: the
+        model's own attributes cost ~20 us a forward to read on flushed caches), or a linear layer that is not on a
+        kernel (a LoRA adapter, for one). Built once and rebuilt if a layer is replaced."""
+        for s in segments:
+            k = s.cache.k
+            if s.rows is None or k.dtype != torch.float32 or k.device.type != "cpu":
+                return None
         if self._native_edits != module_edits.count:  # a module was assigned somewhere since the last check
             linears = self._linear_modules()
             if linears != self._native[0]:

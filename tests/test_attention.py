@@ -163,7 +163,7 @@ def test_native_decoder_layers_equal_the_python_loop(monkeypatch, model_type, mo
 
     native = run()
     assert model._native[1] is not None, "the native layers did not run"
-    monkeypatch.setattr(Transformer, "_native_layers", lambda self, x, segments: None)
+    monkeypatch.setattr(Transformer, "_native_decode", lambda self, segments: None)
     python = run()
     assert all(torch.equal(a, b) for a, b in zip(native, python, strict=True))
 
@@ -286,6 +286,6 @@ def test_a_forward_in_one_team_region_gives_the_bits_of_a_region_per_layer_group
     regions, team = switch_both_ways("team", run)
     assert model._native[1] is not None, "the native layers did not run"
     assert all(torch.equal(a, b) for a, b in zip(regions, team, strict=True))
-    monkeypatch.setattr(Transformer, "_native_layers", lambda self, x, segments: None)
+    monkeypatch.setattr(Transformer, "_native_decode", lambda self, segments: None)
     python, _ = switch_both_ways("team", run)
     assert all(torch.equal(a, b) for a, b in zip(python, team, strict=True))
