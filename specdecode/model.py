@@ -123,7 +123,7 @@ class Segment:
     begin: int
     end: int
     cache: KVCache
-    write_pos: torch.Tensor | None  # [end - begin] cache slots of the new tokens; None: cache.length onwards
+    write_pos: torch.Tensor | None  # [end - begin] cache slots of the new tokens (None where the native layers run)
     attn_mask: torch.Tensor | None  # [B or 1, 1, end - begin, S]; None where rows are given
     rows: RowSlots | None  # decode mode: each row's slots; None = one attention call under attn_mask
     mask_rows: bool = False  # rows None: one attention call per row, each under its own row of attn_mask
@@ -238,8 +238,6 @@ class Attention(nn.Module):
         """One sequence's rows: q [B, T, H, hd], k, v [B, T, Hkv, hd] -> attention output [B, H, T, hd]."""
         B, T = q.shape[:2]
         rows, attn_mask, write_pos = seg.rows, seg.attn_mask, seg.write_pos
-        if write_pos is None:
-            write_pos = torch.arange(seg.cache.length, seg.cache.length + T, device=q.device)
         if (kernels := glue_kernels(q, k_cache)) is not None:  # rotary and cache writes in one call
             q = kernels.rope_store(q, k, v, cos.reshape(B, T, -1), sin.reshape(B, T, -1), k_cache, v_cache,
                                    write_pos)
@@ -424,6 +422,7 @@ class Transformer(nn.Module):
             return [out]
         segments, begin = [], 0
         for part in parts:  # the slots each writes: computed where the Python layers need them (an ATen call)
+            part.row_argmax = None  # found anew by this forward's head, or not at all
             t = part.tokens.numel()
             rows = (part.rows or row_slots(part.attn_mask)) if part.decode else None
             segments.append(Segment(begin, begin + t, part.cache, None, None if rows else part.mask(), rows))
@@ -436,6 +435,8 @@ class Transformer(nn.Module):
         if (native := self._native_decode(segments)) is not None:
             hidden = self._native_forward(native, tokens, positions, segments, feature_layers)  # [N, d (+ features)]
         else:
+            for s in segments:
+                s.write_pos = torch.arange(s.cache.length, s.cache.length + s.end - s.begin, device=tokens.device)
             hidden = self._layers(tokens[None], positions[None], segments, feature_layers)[0]
         size = self.config.hidden_size
         # The rows whose logits are wanted: slices where they are (every row, or one part's tail), else gathered
@@ -448,7 +449,7 @@ class Transformer(nn.Module):
         else:
             final = torch.cat([hidden[s.begin + p.logits_from : s.end, :size] for s, p in zip(segments, parts)])
         logits, argmax = self._head(final, parts)  # [sum of wanted, vocab], [sum of wanted] or None
-        if one and logits.shape[0] == begin - parts[0].logits_from:  # the part's rows are every row
+        if one:  # the part's rows are every row: no slices
             if argmax is not None and parts[0].wants_argmax:
                 parts[0].row_argmax = argmax
             return [(logits, hidden)]

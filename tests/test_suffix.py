@@ -57,9 +57,12 @@ def test_matches_are_the_same_compared_in_python_or_numpy(monkeypatch):
     pool = SuffixPool(max_mb=1)
     for start in range(0, 300, 60):
         pool.add(tokens[start : start + 60])
-    drafter = SuffixDrafter(pool)
-    for end in range(2, 400, 7):
-        context, tail = tokens[:end], np.asarray(tokens[max(0, end - 32) : end])
+    # and a context whose last token occurred more than MAX_CANDIDATES times: only its latest occurrences count
+    often = [1, 2] + [3, 2] * 600 + [1, 2]
+    cases = [tokens[:end] for end in range(2, 400, 7)] + [often, often[:-1]]
+    for context in cases:
+        drafter = SuffixDrafter(pool)
+        tail = np.asarray(context[-32:])
         found = {}
         for few in (suffix_pool.FEW_CANDIDATES, 0):
             monkeypatch.setattr(suffix_pool, "FEW_CANDIDATES", few)

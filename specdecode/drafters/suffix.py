@@ -12,6 +12,8 @@ Drafts are point masses; which nodes are proposed depends on the context and the
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from specdecode.drafters.base import DraftContext
@@ -36,7 +38,8 @@ class SuffixDrafter(NgramDrafter):
     def __init__(self, pool: SuffixPool | None = None, branches: int = MAX_CONTINUATIONS) -> None:
         """`pool`: earlier answers, shared with the drafters forked from this one (None: a fresh 64 MB pool).
         `branches` 1 drafts a chain (the most frequent continuation's run)."""
-        super().__init__(max_ngram=MIN_MATCH, min_ngram=MIN_MATCH, branches=branches)
+        # its index: where each token and each pair of tokens occurred in the request (lookup is its own)
+        super().__init__(max_ngram=MIN_MATCH, min_ngram=1, branches=branches)
         self.pool = pool if pool is not None else SuffixPool()
 
     def fork(self) -> SuffixDrafter:
@@ -72,7 +75,11 @@ class SuffixDrafter(NgramDrafter):
         bigram index kept up to date as the context grows; a few are compared in Python, many in numpy (each
         numpy call costs tens of microseconds on the caches a forward flushed)."""
         self.index.update(tokens)
-        candidates = self.index.follows.get(tuple(tokens[-MIN_MATCH:]), [])[::-1][:MAX_CANDIDATES]
+        candidates = self.index.follows.get(tuple(tokens[-MIN_MATCH:]), [])
+        singles = self.index.follows.get((tokens[-1],), [])
+        if len(singles) > MAX_CANDIDATES:  # only among the last token's MAX_CANDIDATES latest occurrences
+            candidates = candidates[bisect.bisect_left(candidates, singles[-MAX_CANDIDATES]) :]
+        candidates = candidates[::-1]  # most recent first
         if len(candidates) > FEW_CANDIDATES:
             positions, length = best_matches(np.asarray(tokens, dtype=np.int64),
                                              np.asarray(candidates[::-1], dtype=np.int64),
