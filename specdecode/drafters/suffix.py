@@ -24,6 +24,7 @@ from specdecode.drafters.suffix_pool import (
     MAX_MATCH,
     SuffixPool,
     best_matches,
+    best_of_few,
     continuations,
 )
 
@@ -75,26 +76,15 @@ class SuffixDrafter(NgramDrafter):
         bigram index kept up to date as the context grows; a few are compared in Python, many in numpy (each
         numpy call costs tens of microseconds on the caches a forward flushed)."""
         self.index.update(tokens)
-        candidates = self.index.follows.get(tuple(tokens[-MIN_MATCH:]), [])
+        candidates = self.index.follows.get(tuple(tokens[-MIN_MATCH:]), [])  # ascending
         singles = self.index.follows.get((tokens[-1],), [])
         if len(singles) > MAX_CANDIDATES:  # only among the last token's MAX_CANDIDATES latest occurrences
             candidates = candidates[bisect.bisect_left(candidates, singles[-MAX_CANDIDATES]) :]
-        candidates = candidates[::-1]  # most recent first
-        if len(candidates) > FEW_CANDIDATES:
-            positions, length = best_matches(np.asarray(tokens, dtype=np.int64),
-                                             np.asarray(candidates[::-1], dtype=np.int64),
-                                             np.asarray(tokens[-MAX_MATCH:], dtype=np.int64))
-            return positions.tolist(), length
-        end, best, found = len(tokens), 0, []
-        for p in candidates:
-            n = MIN_MATCH  # the bigram matched
-            while n < MAX_MATCH and n < p and tokens[p - 1 - n] == tokens[end - 1 - n]:
-                n += 1
-            if n > best:
-                best, found = n, [p]
-            elif n == best:
-                found.append(p)
-        return found, best
+        if len(candidates) <= FEW_CANDIDATES:
+            return best_of_few(tokens, candidates[::-1], tokens[-MAX_MATCH:])
+        positions, length = best_matches(np.asarray(tokens, dtype=np.int64), np.asarray(candidates, dtype=np.int64),
+                                         np.asarray(tokens[-MAX_MATCH:], dtype=np.int64))
+        return positions.tolist(), length
 
     def memories(self) -> list:
         return [self.pool]

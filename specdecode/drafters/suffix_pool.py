@@ -72,20 +72,23 @@ def best_matches(tokens: np.ndarray, candidates: np.ndarray, tail: np.ndarray) -
         return candidates, 0
     candidates = candidates[::-1][:MAX_CANDIDATES]
     if candidates.size <= FEW_CANDIDATES:
-        return _best_of_few(tokens, candidates.tolist(), tail.tolist())
+        positions, best = best_of_few(tokens, candidates.tolist(), tail.tolist())
+        return np.asarray(positions, dtype=np.int64), best
     lengths = match_lengths(tokens, candidates, tail)
     best = int(lengths.max())
     return candidates[lengths == best], best
 
 
-def _best_of_few(tokens: np.ndarray, candidates: list[int], tail: list[int]) -> tuple[np.ndarray, int]:
-    """best_matches for a few candidates, in Python: the same lengths as match_lengths, without its dozen numpy
-    calls (each costs tens of microseconds on the caches a forward flushed)."""
+def best_of_few(tokens: np.ndarray | list[int], candidates: list[int], tail: list[int]) -> tuple[list[int], int]:
+    """best_matches for a few candidates (most recent first), in Python, over an array or a list of tokens: the
+    same lengths as match_lengths, without its dozen numpy calls (each costs tens of microseconds on the caches a
+    forward flushed)."""
     depth = min(len(tail), MAX_MATCH)
     wanted = tail[::-1][:depth]  # wanted[k - 1] = tail[-k]
     best, found = 0, []
     for p in candidates:
-        before = tokens[max(0, p - depth) : p].tolist()[::-1]  # before[k - 1] = tokens[p - k]
+        before = tokens[max(0, p - depth) : p]
+        before = (before.tolist() if isinstance(before, np.ndarray) else before)[::-1]  # before[k - 1] = tokens[p - k]
         n = 1  # tokens[p - 1] == tail[-1]: how the candidates were found
         while n < len(before) and before[n] == wanted[n]:
             n += 1
@@ -93,7 +96,7 @@ def _best_of_few(tokens: np.ndarray, candidates: list[int], tail: list[int]) -> 
             best, found = n, [p]
         elif n == best:
             found.append(p)
-    return np.asarray(found, dtype=np.int64), best
+    return found, best
 
 
 class SuffixPool:
