@@ -467,8 +467,8 @@ class Transformer(nn.Module):
         part wants it and the head finds it as it writes the logits (quantize.QuantLinear): read afterwards, a
         verify forward's logits come back from memory, the head having streamed its weights through the caches."""
         head = self.lm_head
-        with_argmax = getattr(head, "forward_argmax", None) if final.dtype == torch.float32 else None  # (bfloat16
-        # logits are rounded before their argmax)
+        # float32 only: bfloat16 logits are rounded before their argmax is taken
+        with_argmax = getattr(head, "forward_argmax", None) if final.dtype == torch.float32 else None
         if with_argmax is not None and any(p.wants_argmax for p in parts):
             logits, argmax = with_argmax(final)
             return logits, argmax if argmax.numel() else None  # empty: a row holds a NaN, torch's argmax decides
