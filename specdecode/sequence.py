@@ -23,7 +23,7 @@ from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.kv_cache import KVCache
 from specdecode.masks import tree_depths, tree_row_slots
-from specdecode.model import Part, RowSlots, chain_part
+from specdecode.model import Part, RowSlots, chain_part, ids_and_positions
 from specdecode.planner import MAX_AUTO_NODES, StepPlan
 from specdecode.rules import OutputRules
 from specdecode.sampling import greedy_tokens, make_generator, sample, to_probs
@@ -98,9 +98,9 @@ class Sequence:
     def prefill_part(self, max_rows: int, decode: bool) -> Part:
         """The next prompt tokens to feed (at most `max_rows`); `decode`: as one-token forwards would."""
         n = min(max_rows, self.prompt_left)
-        ids = torch.tensor(self.tokens[self.fed : self.fed + n], device=self.device)
         every_row = self.prompt_logprobs is not None  # echo: each prompt token's logprob, from the row before it
-        return chain_part(ids, self.cache, 0 if every_row else n - 1, decode, start=self.fed)
+        return chain_part(self.tokens[self.fed : self.fed + n], self.cache, 0 if every_row else n - 1, decode,
+                          start=self.fed, device=self.device)
 
     def prefilled(self, n: int, logits: torch.Tensor, hidden: torch.Tensor) -> Step | None:
         """`n` prompt tokens went in (logits [1, vocab] of the last, hidden [n, d]); -> the first token's Step once
@@ -162,7 +162,7 @@ class Sequence:
         self.free_draft = bool(forced)
         if forced:  # the grammar allows one continuation: a draft the drafter need not be asked for
             self.proposed = False
-            self.draft = Draft.chain(torch.tensor(forced, device=self.device), scores=[1.0] * len(forced))
+            self.draft = Draft.chain(forced, scores=[1.0] * len(forced), device=self.device)
         if self.proposed and self.keep_hidden:
             self.hidden = None  # the drafter takes these rows now
         return budget, ctx
@@ -173,7 +173,7 @@ class Sequence:
             draft = self.draft
         draft.check()
         draft = draft.within_depth(self.params.max_new_tokens - self.stats.new_tokens - 1)
-        legal = self.rules.cut(draft.tokens, draft.parents)
+        legal = self.rules.cut(draft.token_list, draft.parent_list)
         self.draft = draft if legal is None or len(legal) == len(draft) else draft.select(legal)
         self.draft_seconds = time.perf_counter() - self.step_started
         return self.draft
@@ -192,15 +192,15 @@ class Sequence:
         root and its own ancestors. The tree's layout is worked out on lists: a draft has a few nodes, and tensor
         operations on so few cost more than the arithmetic."""
         draft, device = self.draft, self.device
-        parents = draft.parents.tolist()
+        parents = draft.parent_list
         self._chain = draft.is_chain
         self._depths = list(range(1, len(parents) + 1)) if self._chain else tree_depths(parents)
         start = self.cache.length
-        ids = torch.cat((torch.tensor([self.tokens[-1]], device=device), draft.tokens.to(device)))
+        ids = [self.tokens[-1], *draft.token_list]
         if self._chain:
-            part = chain_part(ids, self.cache)
+            part = chain_part(ids, self.cache, device=device)
         else:
-            positions = torch.tensor([start] + [start + d for d in self._depths], device=device)
+            ids, positions = ids_and_positions(ids, [start] + [start + d for d in self._depths], device)
             spans, extras = tree_row_slots(start, parents)
             part = Part(ids, positions, self.cache, None, rows=RowSlots(spans, extras))  # its mask: tree_mask's
         # greedy verification of unshaped logits reads each row's argmax only: found as the LM head writes them
@@ -213,14 +213,14 @@ class Sequence:
         draft, device, params = self.draft, self.device, self.params
         start = self.cache.length
         chain = self._chain
-        shaped = self.rules.shape(logits, draft.tokens, None if chain else draft.parents)
+        shaped = self.rules.shape(logits, draft.token_list, None if chain else draft.parent_list)
         part, self._verifying = self._verifying, None
         argmax = part.row_argmax if part is not None and shaped is logits else None
         if chain:
-            verdict = verify_chain(shaped, draft.tokens.to(device), draft.probs, params, self.generator, argmax)
+            verdict = verify_chain(shaped, draft.token_list, draft.probs, params, self.generator, argmax)
         else:
-            verdict = verify_tree(shaped, draft.tokens.to(device), draft.parents.tolist(), draft.probs, params,
-                                  self.generator, argmax)
+            verdict = verify_tree(shaped, draft.token_list, draft.parent_list, draft.probs, params, self.generator,
+                                  argmax)
         accepted = verdict.accepted_nodes
         # Valid now: the root and the accepted nodes. The emitted last token is fed next step.
         if accepted == list(range(len(accepted))):
@@ -235,13 +235,13 @@ class Sequence:
             else:
                 self.hidden = rows
         if self.drafter.target_topk:  # the rows' tokens, built only for a drafter that reads them
-            self._show_target(torch.cat((torch.tensor(self.tokens[-1:]), draft.tokens.cpu())), logits, draft.origin)
+            self._show_target(torch.tensor([self.tokens[-1], *draft.token_list]), logits, draft.origin)
         if self.proposed:  # a drafter that was not asked has nothing to roll back or learn from
             self.drafter.commit(draft.as_proposed(accepted), draft.origin)
             if self.prediction is not None:
                 self.stats.accepted_prediction_tokens = self.prediction.accepted
         rows = [0] + [node + 1 for node in accepted]  # the row each emitted token was sampled from
-        step = self._finish(verdict.emitted.tolist(), len(draft), len(accepted), logits, rows)
+        step = self._finish(verdict.emitted, len(draft), len(accepted), logits, rows)
         step.drafter = ("grammar" if self.free_draft else self.drafter.proposer) if len(draft) else None
         now = time.perf_counter()
         self.stats.record_step(len(draft), len(accepted), len(step.tokens), now - self.step_started,

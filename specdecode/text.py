@@ -3,19 +3,32 @@
 Tokenizers merge bytes across tokens, so a token's text is the difference between decoding a short window of
 recent ids with and without it (constant work per token, not a re-decode of everything). Text that may still
 change is held back: an incomplete character (U+FFFD) and a tail that could be the start of a stop string.
+A `tokenizers` backend does that window itself (its DecodeStream: one call a token instead of two decodes).
 """
 
 from __future__ import annotations
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers before 0.21
+    DecodeStream = None
 
 
 def decoder_of(tokenizer):
     """ids -> text, special tokens skipped: the `tokenizers` backend's own decode where transformers' wrapper adds
     nothing to it (no clean-up of spaces), which skips the wrapper's Python around every call (two calls a token,
     each a few tens of microseconds on a step's cold caches); else the tokenizer's `decode`."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if callable(getattr(backend, "decode", None)) and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+    if (backend := plain_backend(tokenizer)) is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def plain_backend(tokenizer):
+    """The `tokenizers` backend whose decode gives the wrapper's text (no clean-up of spaces), or None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if callable(getattr(backend, "decode", None)) and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return backend
+    return None
 
 
 class TextStream:
@@ -29,6 +42,8 @@ class TextStream:
         self.stopped = False
         self._prefix = 0  # window start: ids before it are settled text
         self._read = 0  # ids before it are already part of `text`
+        backend = plain_backend(tokenizer) if DecodeStream is not None else None
+        self._stream = None if backend is None else (backend, DecodeStream(skip_special_tokens=True))
 
     def push(self, tokens: list[int]) -> tuple[list[str], int]:
         """Add a step's tokens -> (text released with each kept token, how many of `tokens` are kept).
@@ -55,6 +70,9 @@ class TextStream:
         return rest
 
     def _decode_next(self) -> str:
+        if self._stream is not None:  # the same window, kept by the backend: None while a character is incomplete
+            backend, stream = self._stream
+            return stream.step(backend, self.ids[-1]) or ""
         before = self._decode(self.ids[self._prefix : self._read])
         after = self._decode(self.ids[self._prefix :])
         if after.endswith("\ufffd") or len(after) < len(before):

@@ -44,7 +44,7 @@ from specdecode.sampling import greedy_tokens, sample, to_probs
 
 @dataclass(slots=True)
 class Verdict:
-    emitted: torch.Tensor  # [num_accepted + 1] int64: accepted draft tokens, then the recovered or bonus token
+    emitted: list[int]  # [num_accepted + 1]: accepted draft tokens, then the recovered or bonus token
     num_accepted: int
     path: list[int] | None = None  # accepted draft node indices, root to leaf (a chain keeps 0, 1, ... implicitly)
 
@@ -55,18 +55,22 @@ class Verdict:
 
 def verify_chain(
     target_logits: torch.Tensor,  # [n + 1, vocab]: the target's logits after the last token and each draft token
-    draft_tokens: torch.Tensor,  # [n] int64
+    draft_tokens: torch.Tensor | list[int],  # [n] int64
     draft_probs: torch.Tensor | None,  # [n, vocab] after the same transform as the target, or None (point mass)
     params: SamplingParams,
     generator: torch.Generator | None,
     argmax: torch.Tensor | None = None,  # [n + 1] the logits' row argmax where the LM head found it (greedy)
 ) -> Verdict:
-    n = draft_tokens.numel()
-    if params.greedy:
-        choice = greedy_tokens(target_logits) if argmax is None else argmax  # [n + 1]
-        num_accepted = int((draft_tokens == choice[:n]).cumprod(0).sum())  # the step's one host sync
+    n = len(draft_tokens)
+    if params.greedy:  # compared as lists: tensor operations on a few tokens cost more than the comparison
+        choice = (greedy_tokens(target_logits) if argmax is None else argmax).tolist()  # [n + 1], the one host sync
+        drafted = draft_tokens if isinstance(draft_tokens, list) else draft_tokens.tolist()
+        num_accepted = 0
+        while num_accepted < n and drafted[num_accepted] == choice[num_accepted]:
+            num_accepted += 1
         return Verdict(choice[: num_accepted + 1], num_accepted)
 
+    draft_tokens = as_tensor(draft_tokens, target_logits.device)
     target_probs = to_probs(target_logits, params)  # [n + 1, vocab]
     accept_probs = acceptance_probs(target_probs[:n], draft_tokens, draft_probs)  # [n]
     draws = torch.rand(n, generator=generator, device=target_probs.device)
@@ -77,7 +81,7 @@ def verify_chain(
     else:
         weights = target_probs[n]
     last = sample(weights, generator)
-    return Verdict(torch.cat((draft_tokens[:num_accepted], last[None])), num_accepted)
+    return Verdict(draft_tokens[:num_accepted].tolist() + [int(last)], num_accepted)
 
 
 def acceptance_probs(
@@ -113,7 +117,7 @@ def residual(
 
 def verify_tree(
     target_logits: torch.Tensor,  # [n + 1, vocab]: row 0 after the root, row i + 1 after draft node i
-    draft_tokens: torch.Tensor,  # [n] int64
+    draft_tokens: torch.Tensor | list[int],  # [n] int64
     parents: list[int],  # [n] parent node of each node, -1 = root; parents[i] < i
     draft_probs: torch.Tensor | None,  # [n, vocab] the distribution each node was drawn from, or None (point masses)
     params: SamplingParams,
@@ -123,7 +127,7 @@ def verify_tree(
     children: list[list[int]] = [[] for _ in range(len(parents) + 1)]  # [node + 1] -> its children in draft order
     for node, parent in enumerate(parents):
         children[parent + 1].append(node)
-    tokens = draft_tokens.tolist()
+    tokens = draft_tokens if isinstance(draft_tokens, list) else draft_tokens.tolist()
     path: list[int] = []
     if params.greedy:
         choice = (greedy_tokens(target_logits) if argmax is None else argmax).tolist()  # [n + 1]
@@ -131,9 +135,10 @@ def verify_tree(
         while (child := next((c for c in children[row] if tokens[c] == choice[row]), None)) is not None:
             path.append(child)
             row = child + 1
-        return Verdict(torch.tensor(tokens_on(path, tokens) + [choice[row]]), len(path), path)
+        return Verdict(tokens_on(path, tokens) + [choice[row]], len(path), path)
 
     target_probs = to_probs(target_logits, params)  # [n + 1, vocab]
+    draft_tokens = as_tensor(draft_tokens, target_logits.device)
     row = 0
     while True:
         remaining, accepted, drawn = target_probs[row], None, None
@@ -149,7 +154,7 @@ def verify_tree(
                 remaining = rest
         if accepted is None:  # the draw, or one from what the rounds left
             last = drawn if drawn is not None else int(sample(remaining, generator))
-            return Verdict(torch.tensor(tokens_on(path, tokens) + [last]), len(path), path)
+            return Verdict(tokens_on(path, tokens) + [last], len(path), path)
         path.append(accepted)
         row = accepted + 1
 
@@ -167,3 +172,7 @@ def sibling_round(
 
 def tokens_on(path: list[int], tokens: list[int]) -> list[int]:
     return [tokens[node] for node in path]
+
+
+def as_tensor(tokens: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    return tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long, device=device)

@@ -61,7 +61,7 @@ def test_masks_of_a_draft_tree_are_each_paths_own(tokenizer, compiler):
     # a tree under the output so far: the true next tokens as a chain, a wrong sibling at depth 1, a wrong child
     tokens = [text[2], wrong, text[3], text[4], wrong]
     parents = [-1, -1, 0, 2, 2]
-    kept = rules.cut(torch.tensor(tokens), torch.tensor(parents))
+    kept = rules.cut(tokens, parents)
     assert kept == [0, 2, 3]  # the wrong nodes go; nothing under a dropped node stays
     before = fresh_mask(constraint, text[:2], vocab)
     kept_tokens, kept_parents = [tokens[i] for i in kept], [-1, 0, 1]
@@ -228,7 +228,7 @@ def test_drafts_past_the_end_of_the_text_leave_the_grammar_where_it_was(tokenize
     rules.emitted(text[:-1])
     close = text[-1]
     tokens, parents = [close, eos, eos, close, eos], [-1, 0, 1, -1, 3]
-    kept = rules.cut(torch.tensor(tokens), torch.tensor(parents))
+    kept = rules.cut(tokens, parents)
     assert kept == [0, 1, 3, 4]  # nothing after an EOS
     kept_parents = [-1, 0, -1, 2]
     shaped = rules.shape(torch.zeros(5, vocab), torch.tensor([tokens[i] for i in kept]), torch.tensor(kept_parents))

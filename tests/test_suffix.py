@@ -69,7 +69,7 @@ def test_matches_are_the_same_compared_in_python_or_numpy(monkeypatch):
             monkeypatch.setattr(suffix, "FEW_CANDIDATES", few)
             positions, length = pool.matches(tail)
             own, own_length = drafter._own_matches(context)
-            found[few] = (positions.tolist(), length, list(own), own_length)
+            found[few] = (list(positions), length, list(own), own_length)
         assert found[0] == found[suffix_pool.FEW_CANDIDATES]
         # the context's own matches: as every earlier position of its last token, compared in numpy, finds them
         own = np.asarray(context)

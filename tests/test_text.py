@@ -63,5 +63,12 @@ def test_a_tokenizers_backend_is_decoded_directly_and_gives_the_wrappers_text():
     stream = TextStream(wrapped)
     pieces, kept = stream.push(ids)
     assert kept == len(ids) and "".join(pieces) + stream.flush() == wrapped.decode(ids, skip_special_tokens=True)
+    # the backend's DecodeStream keeps the window: the same piece for every token as the two decodes give
+    for step in (1, 2, 5):
+        stream, by_window = TextStream(wrapped), TextStream(wrapped)
+        by_window._stream = None
+        assert stream._stream is not None
+        for at in range(0, len(ids), step):
+            assert stream.push(ids[at : at + step]) == by_window.push(ids[at : at + step])
     cleaned = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=True)
     assert decoder_of(cleaned).__code__ is not decoder_of(wrapped).__code__  # the wrapper's clean-up is kept

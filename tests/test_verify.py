@@ -59,11 +59,11 @@ def test_greedy_accepts_longest_matching_prefix():
     logits[0, 3] = logits[1, 5] = logits[2, 7] = logits[3, 9] = 1.0  # target argmax: 3 5 7 9
     params = SamplingParams()
     verdict = verify_chain(logits, torch.tensor([3, 5, 1]), None, params, None)
-    assert verdict.num_accepted == 2 and verdict.emitted.tolist() == [3, 5, 7]
+    assert verdict.num_accepted == 2 and verdict.emitted == [3, 5, 7]
     verdict = verify_chain(logits, torch.tensor([3, 5, 7]), None, params, None)
-    assert verdict.num_accepted == 3 and verdict.emitted.tolist() == [3, 5, 7, 9]  # bonus token
+    assert verdict.num_accepted == 3 and verdict.emitted == [3, 5, 7, 9]  # bonus token
     verdict = verify_chain(logits[:1], torch.tensor([], dtype=torch.long), None, params, None)
-    assert verdict.num_accepted == 0 and verdict.emitted.tolist() == [3]
+    assert verdict.num_accepted == 0 and verdict.emitted == [3]
 
 
 def test_first_emitted_token_is_distributed_as_target():
@@ -150,9 +150,9 @@ def test_greedy_tree_follows_the_targets_argmax():
     tokens = torch.tensor([4, 3, 7, 5, 6])  # node 0: 4, node 1: 3 (right), node 2 under 0, node 3 under 1, 4 under 1
     parents = [-1, -1, 0, 1, 1]
     verdict = verify_tree(logits, tokens, parents, None, SamplingParams(), None)
-    assert verdict.path == [1, 3] and verdict.emitted.tolist() == [3, 5, 9]
+    assert verdict.path == [1, 3] and verdict.emitted == [3, 5, 9]
     verdict = verify_tree(logits, torch.tensor([1, 2, 7, 5, 6]), parents, None, SamplingParams(), None)
-    assert verdict.path == [] and verdict.emitted.tolist() == [3]
+    assert verdict.path == [] and verdict.emitted == [3]
 
 
 def test_sampled_tree_first_token_follows_the_target():
@@ -187,7 +187,7 @@ def test_sampled_point_mass_tree_paths_follow_the_target():
     gen = make_generator(1)
     counts = torch.zeros_like(expected)
     for _ in range(trials):
-        emitted = verify_tree(logits, tokens, parents, None, params, gen).emitted.tolist()
+        emitted = verify_tree(logits, tokens, parents, None, params, gen).emitted
         counts[emitted[0], emitted[1] if len(emitted) > 1 else vocab] += 1
     assert (counts / trials - expected).abs().sum() < l1_bound(expected.numel(), trials)
 

@@ -27,51 +27,88 @@ from collections.abc import Generator
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.masks import depths
+from specdecode.masks import tree_depths
 from specdecode.model import Part
 from specdecode.planner import FIXED, StepPlan
 
 
-@dataclass(slots=True)
 class Draft:
-    tokens: torch.Tensor  # [n] int64, the root (last committed token) excluded
-    parents: torch.Tensor  # [n] int64, index of each token's parent, -1 = root
-    probs: torch.Tensor | None = None  # [n, vocab] draft distribution, None = point masses
-    scores: list[float] | None = None  # [n] estimated P(node accepted), non-increasing from parent to child
-    origin: list[int] | None = None  # after the engine cut a draft: each node's index in the drafter's own draft
+    """A drafter's guesses: tokens [n] (the root, the last committed token, excluded), each one's parent [n] (-1 =
+    the root), the distributions they were drawn from (`probs` [n, vocab], None = point masses), `scores` [n]
+    (estimated P(node accepted), non-increasing from parent to child), and after the engine cut a draft, `origin`:
+    each node's index in the drafter's own draft.
+
+    Tokens and parents are held as lists or as tensors, whichever the drafter built, and made into the other on
+    first use only: a draft has a few nodes, and between two forwards every tensor made or read back costs ~10 us
+    on the caches a forward flushed, where the engine's bookkeeping (cutting, verifying greedily) needs lists."""
+
+    __slots__ = ("_tokens", "_parents", "_token_list", "_parent_list", "device", "probs", "scores", "origin")
+
+    def __init__(self, tokens: torch.Tensor | list[int], parents: torch.Tensor | list[int],
+                 probs: torch.Tensor | None = None, scores: list[float] | None = None,
+                 origin: list[int] | None = None, device: torch.device | str | None = None) -> None:
+        listed = isinstance(tokens, list)
+        self._tokens, self._token_list = (None, tokens) if listed else (tokens, None)
+        self._parents, self._parent_list = (None, parents) if isinstance(parents, list) else (parents, None)
+        # where its tensors live: a tensor's own device, else the one given (lists are made on the CPU otherwise)
+        self.device = torch.device(device) if device is not None else (torch.device("cpu") if listed else tokens.device)
+        self.probs, self.scores, self.origin = probs, scores, origin
+
+    @property
+    def tokens(self) -> torch.Tensor:  # [n] int64
+        if self._tokens is None:
+            self._tokens = torch.tensor(self._token_list, dtype=torch.long, device=self.device)
+        return self._tokens
+
+    @property
+    def parents(self) -> torch.Tensor:  # [n] int64
+        if self._parents is None:
+            self._parents = torch.tensor(self._parent_list, dtype=torch.long, device=self.device)
+        return self._parents
+
+    @property
+    def token_list(self) -> list[int]:
+        if self._token_list is None:
+            self._token_list = self._tokens.tolist()
+        return self._token_list
+
+    @property
+    def parent_list(self) -> list[int]:
+        if self._parent_list is None:
+            self._parent_list = self._parents.tolist()
+        return self._parent_list
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor, probs: torch.Tensor | None = None,
-              scores: list[float] | None = None) -> Draft:
-        return cls(tokens, torch.arange(-1, tokens.numel() - 1, device=tokens.device), probs, scores)
+    def chain(cls, tokens: torch.Tensor | list[int], probs: torch.Tensor | None = None,
+              scores: list[float] | None = None, device: torch.device | str | None = None) -> Draft:
+        return cls(tokens, list(range(-1, len(tokens) - 1)), probs, scores, device=device)
 
     @property
     def is_chain(self) -> bool:
-        return self.parents.tolist() == list(range(-1, len(self) - 1))  # a few nodes: lists beat tensor ops
+        parents = self.parent_list
+        return all(p == i - 1 for i, p in enumerate(parents))
 
     def check(self) -> None:
         """Assert the shape invariants every drafter must keep (a broken drafter is a programming error)."""
         n = len(self)
-        parents = self.parents.tolist()
+        parents = self.parent_list
         assert len(parents) == n, f"{len(parents)} parents for {n} tokens"
         assert all(-1 <= p < i for i, p in enumerate(parents)), f"a parent must come before its child: {parents}"
         assert self.probs is None or self.probs.shape[0] == n, "one draft distribution per token"
         assert self.scores is None or len(self.scores) == n, "one score per token"
 
-    def depths(self) -> torch.Tensor:
-        """Depth of each node (a child of the root has depth 1) -> [n]; a chain's without building its mask."""
-        if self.is_chain:
-            return torch.arange(1, len(self) + 1, device=self.parents.device)
-        return depths(self.parents)
+    def depth_list(self) -> list[int]:
+        """Depth of each node (a child of the root has depth 1)."""
+        return list(range(1, len(self) + 1)) if self.is_chain else tree_depths(self.parent_list)
 
     def within_depth(self, max_depth: int) -> Draft:
         """The nodes at depth <= max_depth (a drafter that ignored DraftContext.max_depth)."""
         if len(self) <= max_depth:
             return self
-        deep = self.depths() > max_depth
-        if not bool(deep.any()):
+        depths = self.depth_list()
+        if max(depths) <= max_depth:
             return self
-        return self.select([i for i, d in enumerate(deep.tolist()) if not d])
+        return self.select([i for i, d in enumerate(depths) if d <= max_depth])
 
     def best(self, count: int) -> Draft:
         """The `count` nodes with the highest scores (first in draft order on ties), renumbered in draft order.
@@ -84,17 +121,14 @@ class Draft:
     def select(self, kept: list[int]) -> Draft:
         """The nodes `kept` (ascending, every kept node's parent kept too), renumbered in draft order."""
         index = {node: i for i, node in enumerate(kept)}
-        parents = self.parents.tolist()
-        new_parents = torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in kept],
-                                   dtype=torch.long, device=self.parents.device)
-        tokens = self.tokens.tolist()  # lists, then one tensor: indexing a tensor costs more on a few nodes
-        kept_tokens = torch.tensor([tokens[i] for i in kept], dtype=torch.long, device=self.tokens.device)
+        parents, tokens = self.parent_list, self.token_list
         probs = None
         if self.probs is not None:
             probs = self.probs[torch.tensor(kept, dtype=torch.long, device=self.probs.device)]
         scores = None if self.scores is None else [self.scores[i] for i in kept]
         origin = [self.origin[i] for i in kept] if self.origin is not None else list(kept)
-        return Draft(kept_tokens, new_parents, probs, scores, origin)
+        return Draft([tokens[i] for i in kept], [index[parents[i]] if parents[i] >= 0 else -1 for i in kept],
+                     probs, scores, origin, self.device)
 
     def as_proposed(self, nodes: list[int]) -> list[int]:
         """Node indices of this draft -> indices in the draft the drafter proposed (what `commit` takes)."""
@@ -102,10 +136,13 @@ class Draft:
 
     @classmethod
     def empty(cls, device: torch.device | str = "cpu") -> Draft:
-        return cls.chain(torch.empty(0, dtype=torch.long, device=device))
+        return cls([], [], device=device)
 
     def __len__(self) -> int:
-        return self.tokens.numel()
+        return len(self._token_list) if self._token_list is not None else self._tokens.numel()
+
+    def __repr__(self) -> str:
+        return f"Draft(tokens={self.token_list}, parents={self.parent_list}, scores={self.scores})"
 
 
 @dataclass(slots=True)

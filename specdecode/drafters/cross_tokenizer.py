@@ -64,9 +64,9 @@ class CrossTokenizerDrafter(Wrapping):
         self._roll_back(context)
         inner_ctx = DraftContext(context, GREEDY, None, plan=ctx.plan, max_depth=ctx.max_depth)
         guess = yield from self.inner.drafting(inner_ctx, max_tokens)
-        self.fed = context + guess.tokens.tolist()
+        self.fed = context + guess.token_list
         self.cached = self.fed[: self.inner.cache.length]  # the chain's fed tokens follow the context in order
-        tokens, owners = self.bridge.to_target(ctx.tokens, guess.tokens.tolist())
+        tokens, owners = self.bridge.to_target(ctx.tokens, guess.token_list)
         keep = min(max_tokens, ctx.max_depth)  # a target token may take less text than a draft token
         tokens, owners = tokens[:keep], owners[:keep]
         scores = [guess.scores[i] for i in owners] if guess.scores else None

@@ -184,13 +184,12 @@ class DraftModelDrafter(GrowsTrees):
     def _nodes_part(self, expand: list[int], nodes: list[Node]) -> Part:
         """One draft forward over the nodes `expand` (one depth), each seeing the prefix and its ancestors."""
         self.forwards += 1
-        ids, positions, rows = self._place(expand, nodes, self.cache.length, self.base_length, self.model.device)
+        ids, positions, rows = self._place(expand, nodes, self.cache.length, self.base_length, self.device)
         return Part(ids, positions, self.cache, None, rows=rows)  # its mask, where a forward reads one: from rows
 
     def _chain_part(self, tokens: list[int], decode: bool = True) -> Part:
         """A chain of tokens at the next cache positions; the logits of the last one."""
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device)  # [T]
-        return chain_part(ids, self.cache, ids.numel() - 1, decode)
+        return chain_part(tokens, self.cache, len(tokens) - 1, decode, device=self.device)
 
     def _ensure_capacity(self, needed: int) -> None:
         if self.cache is None:

@@ -189,10 +189,10 @@ class Trust:
 def hindsight(draft: Draft, followed: list[int]) -> tuple[list[int], list[int]]:
     """What a draft would have given against the tokens that `followed` its root: (its accepted path, root to
     leaf; the nodes that can be judged, those no deeper than the tokens known), as `commit` takes them."""
-    parents = draft.parents.tolist()
+    parents = draft.parent_list
     accepted: list[int] = []
     verified: list[int] = []
-    for i, (token, parent, d) in enumerate(zip(draft.tokens.tolist(), parents, tree_depths(parents))):
+    for i, (token, parent, d) in enumerate(zip(draft.token_list, parents, tree_depths(parents))):
         if d > len(followed):
             continue
         verified.append(i)

@@ -33,9 +33,9 @@ def run_alone(drafting: Drafting, model: torch.nn.Module | None, drafter: Drafte
         return done.value
 
 
-@torch.inference_mode()
 def run_batched(draftings: list[tuple[Drafting, torch.nn.Module, Drafter]]) -> list[Draft | Exception]:
-    """[(generator, its model, its drafter)] -> each one's Draft (or the exception that ended it), in order."""
+    """[(generator, its model, its drafter)] -> each one's Draft (or the exception that ended it), in order.
+    Called inside the engine's step, in its inference mode (entering it again cost ~15 us a step)."""
     results: list[Draft | Exception | None] = [None] * len(draftings)
     waiting: dict[int, Part] = {}
     for i, (gen, _, _) in enumerate(draftings):

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # the running acceptance rate starts as 1 accepted out of 2 tried
@@ -53,7 +51,7 @@ class NgramDrafter(Drafter):
         scores: list[float] = []
         for parent, fraction in zip(parents, share):
             scores.append((1.0 if parent < 0 else scores[parent]) * rate * fraction)
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None, scores)
+        return Draft(tokens, parents, None, scores)
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # One trial per accepted node that had verified children (and the root): was one of them accepted?

@@ -46,26 +46,25 @@ class SuffixDrafter(NgramDrafter):
     def fork(self) -> SuffixDrafter:
         return SuffixDrafter(self.pool, self.branches)
 
-    def lookup(self, ctx: DraftContext, depth: int) -> list[np.ndarray]:
+    def lookup(self, ctx: DraftContext, depth: int) -> list[list[int]]:
         tokens = ctx.tokens
         if len(tokens) < MIN_MATCH or depth <= 0:
             return []
-        tail = np.asarray(tokens[-MAX_MATCH:], dtype=np.int64)
         here, here_len = self._own_matches(tokens)
         # A seeded sampled request must give the same text whatever ran before it: its draft (and so which draws
         # verification takes) may depend on its own context only, not on what the shared pool holds.
         seeded = ctx.params.seed is not None and ctx.params.temperature > 0
-        there, there_len = (np.empty(0, dtype=np.int64), 0) if seeded else self.pool.matches(tail)
+        there, there_len = ([], 0) if seeded else self.pool.matches(tokens[-MAX_MATCH:])
         best = max(here_len, there_len)
         if best < MIN_MATCH:
             return []
         depth = min(depth, SPEC_FACTOR * best)
-        found = [np.asarray(tokens[p : p + depth], dtype=np.int64) for p in here] if here_len == best else []
+        found = [tokens[p : p + depth] for p in here] if here_len == best else []
         if there_len == best:
             found += continuations(self.pool.flat, there, depth)
         found = found[:MAX_CONTINUATIONS]
         if self.branches == 1 and found:  # a chain: the most frequent first token's most recent run
-            firsts = [int(run[0]) for run in found]
+            firsts = [run[0] for run in found]
             common = max(set(firsts), key=firsts.count)
             found = [run for run in found if run[0] == common][:1]
         return found

@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
-from specdecode.model import RowSlots
+from specdecode.model import RowSlots, ids_and_positions
 from specdecode.planner import (FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR, MODEL_TRUST_RANGE,
                                 running_mean)
 from specdecode.sampling import greedy_topk, gumbel_topk, to_probs
@@ -126,8 +126,8 @@ class GrowsTrees(Drafter):
                 span, k = span + 1, k + 1
             spans.append(span)
             extras.append(path[k:])
-        ids = torch.tensor([nodes[i].token for i in expand], device=device)
-        positions = torch.tensor([base_length - 1 + nodes[i].depth for i in expand], device=device)
+        ids, positions = ids_and_positions([nodes[i].token for i in expand],
+                                           [base_length - 1 + nodes[i].depth for i in expand], device)
         return ids, positions, RowSlots(spans, extras if any(extras) else [])
 
     def forward_took(self, seconds: float) -> None:
@@ -233,10 +233,8 @@ class GrowsTrees(Drafter):
             return Draft.empty(self.device)
         index = {node: i for i, node in enumerate(self.kept)}
         kept = [nodes[i] for i in self.kept]
-        device = self.device
-        tokens = torch.tensor([n.token for n in kept], dtype=torch.long, device=device)
-        parents = torch.tensor([index[n.parent] if n.parent >= 0 else -1 for n in kept], dtype=torch.long,
-                               device=device)
+        tokens = [n.token for n in kept]
+        parents = [index[n.parent] if n.parent >= 0 else -1 for n in kept]
         probs = None
         if not ctx.params.greedy:
             rows = torch.stack([dists[n.dist] for n in kept])  # [n, vocab] or [n, subset]
@@ -249,7 +247,7 @@ class GrowsTrees(Drafter):
                     row[node.drawn_before] = 0.0
                     row /= row.sum()
             probs = rows
-        return Draft(tokens, parents, probs, [n.score for n in kept])
+        return Draft(tokens, parents, probs, [n.score for n in kept], device=self.device)
 
     def _draft_space(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
         """Draft logits [R, size] -> (logits over the tokens it may propose, their vocabulary ids and the same as a

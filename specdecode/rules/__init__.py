@@ -56,11 +56,11 @@ class OutputRules:
                 shaped[dead, eos] = logits[dead, eos].float()
         return shaped
 
-    def cut(self, tokens: torch.Tensor, parents: torch.Tensor) -> list[int] | None:
+    def cut(self, tokens: list[int], parents: list[int]) -> list[int] | None:
         """The draft nodes the grammar allows, every kept node's parent kept too (None: all of them)."""
-        if self.grammar is None or tokens.numel() == 0:
+        if self.grammar is None or not tokens:
             return None
-        return self.grammar.legal_nodes(tokens.tolist(), parents.tolist())
+        return self.grammar.legal_nodes(tokens, parents)
 
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces next: free drafts."""
