@@ -162,12 +162,14 @@ class InUseCurve:
         ratio = {m: self.medians[m] / measured[m - 1] for m in known}
         next_try = known[-1] + 1 if explore and known else 0
         seconds, floor = [], 0.0
+        below, up = None, 0  # the largest known size below m, and the index in `known` of the smallest >= m
         for m, measured_s in enumerate(measured, start=1):
+            while up < len(known) and known[up] < m:
+                below, up = known[up], up + 1
             if m in ratio:
                 at = self.medians[m]
             else:
-                below = max((k for k in known if k < m), default=None)
-                above = min((k for k in known if k > m), default=None)
+                above = known[up] if up < len(known) else None
                 if below is None or above is None:
                     r = ratio[below if above is None else above]
                 else:
