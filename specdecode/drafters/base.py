@@ -47,11 +47,12 @@ class Draft:
     def __init__(self, tokens: torch.Tensor | list[int], parents: torch.Tensor | list[int],
                  probs: torch.Tensor | None = None, scores: list[float] | None = None,
                  origin: list[int] | None = None, device: torch.device | str | None = None) -> None:
-        listed = isinstance(tokens, list)
-        self._tokens, self._token_list = (None, tokens) if listed else (tokens, None)
+        self._tokens, self._token_list = (None, tokens) if isinstance(tokens, list) else (tokens, None)
         self._parents, self._parent_list = (None, parents) if isinstance(parents, list) else (parents, None)
-        # where its tensors live: a tensor's own device, else the one given (lists are made on the CPU otherwise)
-        self.device = torch.device(device) if device is not None else (torch.device("cpu") if listed else tokens.device)
+        if device is None:  # where its tensors live: the one given, else a tensor's own, else the CPU
+            held = tokens if isinstance(tokens, torch.Tensor) else parents
+            device = held.device if isinstance(held, torch.Tensor) else "cpu"
+        self.device = torch.device(device)
         self.probs, self.scores, self.origin = probs, scores, origin
 
     @property
@@ -106,7 +107,7 @@ class Draft:
         if len(self) <= max_depth:
             return self
         depths = self.depth_list()
-        if max(depths) <= max_depth:
+        if max(depths, default=0) <= max_depth:
             return self
         return self.select([i for i, d in enumerate(depths) if d <= max_depth])
 
