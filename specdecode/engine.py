@@ -232,10 +232,18 @@ class Engine:
         results: list[Outcome] = self._draft(decoding, prefill_rows)
         broken = {id(seq) for seq, _ in results}
         decoding = [seq for seq in decoding if id(seq) not in broken]
+        verifying = []
         for seq in decoding:
-            self._ensure_slots(seq, seq.cache.length + len(seq.draft) + 1)
-            parts.append(seq.verify_part())
+            try:  # a drafter's malformed draft (a token that is not an id) fails its own part: that request alone
+                self._ensure_slots(seq, seq.cache.length + len(seq.draft) + 1)
+                part = seq.verify_part()
+            except Exception as e:  # noqa: BLE001
+                results.append((seq, e))
+                continue
+            parts.append(part)
             owners.append(seq)
+            verifying.append(seq)
+        decoding = verifying
         if not parts:
             return self._finish(results)
         began = time.perf_counter()

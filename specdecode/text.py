@@ -72,7 +72,11 @@ class TextStream:
     def _decode_next(self) -> str:
         if self._stream is not None:  # the same window, kept by the backend: None while a character is incomplete
             backend, stream = self._stream
-            return stream.step(backend, self.ids[-1]) or ""
+            try:
+                return stream.step(backend, self.ids[-1]) or ""
+            except Exception:  # noqa: BLE001 - a decoder it cannot stream (not prefix-stable): the window below
+                self._stream = None
+                self._prefix = self._read = len(self.ids) - 1  # this token's text alone, then windows as usual
         before = self._decode(self.ids[self._prefix : self._read])
         after = self._decode(self.ids[self._prefix :])
         if after.endswith("\ufffd") or len(after) < len(before):

@@ -11,6 +11,7 @@ import specdecode.engine as engine_module
 from specdecode.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters.base import Draft
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
 from specdecode.engine import Engine
 from specdecode.errors import SpecdecodeError
@@ -224,3 +225,28 @@ def test_draft_model_forwards_are_batched_across_requests_and_draft_the_same(tar
         while alone.running:
             alone.step()
         assert (seq.stats.drafted_tokens, seq.stats.accepted_tokens) == (drafted, accepted), i
+
+
+class Malformed(NgramDrafter):
+    """A drafter whose draft holds a token that is not a token id: its shape passes `Draft.check`."""
+
+    def fork(self) -> NgramDrafter:
+        return Malformed()
+
+    def propose(self, ctx, max_tokens):
+        return Draft([5, None], [-1, 0], None, [0.9, 0.8])
+
+
+def test_a_malformed_draft_fails_its_own_request_only(target):
+    engine = Engine(target, cycle(Malformed, NgramDrafter), 4)
+    params = SamplingParams(max_new_tokens=12)
+    bad, good = engine.add([1, 2, 3], params), engine.add([4, 5, 6, 4, 5], params)
+    failed, tokens = [], []
+    while engine.running:
+        for seq, outcome in engine.step():
+            if isinstance(outcome, Exception):
+                failed.append(seq)
+            elif seq is good:
+                tokens += outcome.tokens
+    assert failed == [bad] and bad not in engine.running
+    assert tokens == [t for s in Engine(target, NoDrafter()).generate([4, 5, 6, 4, 5], params) for t in s.tokens]

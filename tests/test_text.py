@@ -72,3 +72,37 @@ def test_a_tokenizers_backend_is_decoded_directly_and_gives_the_wrappers_text():
             assert stream.push(ids[at : at + step]) == by_window.push(ids[at : at + step])
     cleaned = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=True)
     assert decoder_of(cleaned).__code__ is not decoder_of(wrapped).__code__  # the wrapper's clean-up is kept
+
+
+def test_a_metaspace_backend_streams_a_full_decodes_text_across_a_skipped_special_token():
+    """Llama-2 style tokenizers: '▁' for spaces, a special token mid-answer. The streamed text is what decoding all
+    the ids at once gives."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.train_from_iterator(["hello world, héllo wörld 世界 " * 3],
+                                trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<|end|>"]))
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    end = wrapped.convert_tokens_to_ids("<|end|>")
+    ids = wrapped.encode("hello", add_special_tokens=False) + [end] + wrapped.encode(" world héllo",
+                                                                                     add_special_tokens=False)
+    for step in (1, 3):
+        stream, pieces = TextStream(wrapped), []
+        for at in range(0, len(ids), step):
+            pieces += stream.push(ids[at : at + step])[0]
+        assert "".join(pieces) + stream.flush() == wrapped.decode(ids, skip_special_tokens=True)
+
+
+def test_a_stream_the_backend_cannot_follow_falls_back_to_the_window():
+    class Refusing:
+        def step(self, backend, token):
+            raise RuntimeError("not prefix-stable")
+
+    text = "abc déf"
+    stream = TextStream(ByteTokenizer())
+    stream._stream = (None, Refusing())
+    pieces, kept = stream.push(ByteTokenizer().encode(text))
+    assert "".join(pieces) + stream.flush() == text and kept == len(text.encode()) and stream._stream is None

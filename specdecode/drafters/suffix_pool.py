@@ -177,7 +177,7 @@ class SuffixPool:
         key = int(tail[-2]) * (1 << 31) + int(tail[-1])  # _key's, in Python ints
         lo, hi = np.searchsorted(self.keys, (key, key + 1)).tolist()
         if hi - lo <= FEW_CANDIDATES:  # best_matches' Python branch, without its arrays around it
-            return best_of_few(flat, self.at[lo:hi].tolist()[::-1], list(tail[-MAX_MATCH:]))
+            return best_of_few(flat, self.at[max(lo, hi - MAX_CANDIDATES) : hi].tolist()[::-1], list(tail[-MAX_MATCH:]))
         positions, length = best_matches(flat, self.at[lo:hi], np.asarray(tail, dtype=np.int64))
         return positions.tolist(), length
 
