@@ -51,6 +51,19 @@ def greedy_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return top_index, top_probs
 
 
+def greedy_topk_lists(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """greedy_topk as rows of lists, what a tree drafter reads: for k > 1 on the native kernel straight into lists
+    (no tensors made and read back between two forwards), else greedy_topk's tensors turned into lists."""
+    logits = float32_rows(logits)
+    if (k > 1 and logits.dim() == 2 and logits.is_cpu and k <= logits.shape[-1]
+            and (kernels := cpu_kernels()) is not None):
+        index, prob, answered = kernels.topk_lists(logits, k)
+        if answered:
+            return index, prob
+    index, prob = greedy_topk(logits, k)
+    return index.tolist(), prob.tolist()
+
+
 def float32_rows(logits: torch.Tensor) -> torch.Tensor:
     """`logits` as contiguous float32, converted only where it is not (a no-op `.float()` or `.contiguous()` still
     goes through the dispatcher: ~5-10 us each on the caches a forward flushed)."""

@@ -58,6 +58,25 @@ def test_greedy_topk_is_softmax_and_topk():
     assert index[0, 0] == 5 and prob[0, 0] == 1.0
 
 
+def test_greedy_topk_as_lists_is_greedy_topk():
+    """What a tree drafter reads, straight into lists: greedy_topk's indices and probabilities, bit for bit, and
+    torch's answer where the kernel cannot rank a row."""
+    from specdecode.sampling import greedy_topk, greedy_topk_lists
+
+    torch.manual_seed(3)
+    for vocab in (17, 32784):
+        logits = torch.randn(3, vocab) * 3
+        logits[1] = torch.round(logits[1])  # many ties
+        for k in (1, 2, 3):
+            index, prob = greedy_topk(logits, k)
+            assert greedy_topk_lists(logits, k) == (index.tolist(), prob.tolist())
+    sparse = torch.full((2, 40), float("-inf"))
+    sparse[:, 5] = 1.0
+    sparse[1, 7] = float("nan")
+    index, prob = greedy_topk(sparse, 2)
+    assert greedy_topk_lists(sparse, 2)[0] == index.tolist()
+
+
 def torch_top_p(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """The torch path of to_probs for temperature and top-p: the reference the native kernel must match."""
     from specdecode.sampling import _outside_nucleus

@@ -26,7 +26,7 @@ from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.model import RowSlots, ids_and_positions
 from specdecode.planner import (FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR, MODEL_TRUST_RANGE,
                                 running_mean)
-from specdecode.sampling import greedy_topk, gumbel_topk, to_probs
+from specdecode.sampling import greedy_topk_lists, gumbel_topk, to_probs
 
 Request = TypeVar("Request")
 
@@ -150,15 +150,14 @@ class GrowsTrees(Drafter):
             # one it allows) gets no children: its argmax would be a token the grammar rejects.
             alive = torch.isfinite(logits).any(-1).tolist()
         greedy = ctx.params.greedy
-        if greedy:  # the likeliest children and their probabilities, without the whole softmax
-            top_index, top_probs = greedy_topk(logits, min(self.width, logits.shape[-1]))  # [R, width] each
+        # As lists, once: a tensor operation per row costs tens of microseconds on the caches a forward flushed.
+        if greedy:  # the likeliest children and their probabilities, without the whole softmax: [R][width] each
+            index_rows, prob_rows = greedy_topk_lists(logits, min(self.width, logits.shape[-1]))
         else:
             probs = to_probs(logits, ctx.params)  # [R, vocab]
             top_index = gumbel_topk(probs, self.width, ctx.generator)  # [R, width] a draw without replacement
-            top_probs = probs.gather(-1, top_index)
+            index_rows, prob_rows = top_index.tolist(), probs.gather(-1, top_index).tolist()
             likeliest = probs.topk(self.width, dim=-1)  # for each draw's confidence, see below
-        # As lists, once: a tensor operation per row costs tens of microseconds on the caches a forward flushed.
-        index_rows, prob_rows = top_index.tolist(), top_probs.tolist()
         token_rows = index_rows if id_list is None else [[id_list[i] for i in row] for row in index_rows]
         trust = self.trust.factor(depth)
         new = []

@@ -30,6 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top1_probs", &top1_probs, "(each row's argmax, its softmax probability, False where a row holds a NaN)");
   m.def("topk_probs", &topk_probs, "(each row's k largest values' indices, largest first, their softmax "
         "probabilities, False where a row holds a NaN or fewer than k values above -inf)");
+  m.def("topk_lists", &topk_lists, "topk_probs' answer as rows of lists (indices, probabilities, whether every row "
+        "has them)");
   m.def("nucleus_probs", &nucleus_probs, "softmax(logits / temperature) over each row's top-p nucleus, zero "
         "elsewhere; an empty tensor where a row holds a NaN or only -inf");
   m.def("draw_rows", &draw_rows, "one token a row of non-negative weights by inverse CDF in index order at u * total; "

@@ -143,6 +143,8 @@ at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<at::Tensor> run_with_argmax(const LinearWork& work);
 std::tuple<at::Tensor, at::Tensor, bool> top1_probs(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor, bool> topk_probs(const at::Tensor& x, int64_t k);
+std::tuple<std::vector<std::vector<int64_t>>, std::vector<std::vector<float>>, bool> topk_lists(const at::Tensor& x,
+                                                                                               int64_t k);
 void mask_disallowed(at::Tensor& logits, const at::Tensor& bits);
 at::Tensor embedding_rows(const at::Tensor& tokens, const at::Tensor& qs, const at::Tensor& qh,
                           const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
