@@ -52,11 +52,11 @@ def greedy_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def greedy_topk_lists(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
-    """greedy_topk as rows of lists, what a tree drafter reads: for k > 1 on the native kernel straight into lists
-    (no tensors made and read back between two forwards), else greedy_topk's tensors turned into lists."""
+    """greedy_topk as rows of lists, what a tree drafter reads: on the native kernel straight into lists (no
+    tensors made and read back between two forwards), else greedy_topk's tensors turned into lists (a row the
+    kernel cannot rank, which torch answers)."""
     logits = float32_rows(logits)
-    if (k > 1 and logits.dim() == 2 and logits.is_cpu and k <= logits.shape[-1]
-            and (kernels := cpu_kernels()) is not None):
+    if logits.dim() == 2 and logits.is_cpu and k <= logits.shape[-1] and (kernels := cpu_kernels()) is not None:
         index, prob, answered = kernels.topk_lists(logits, k)
         if answered:
             return index, prob

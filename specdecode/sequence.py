@@ -22,7 +22,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.kv_cache import KVCache
-from specdecode.masks import tree_depths, tree_row_slots
+from specdecode.masks import tree_row_slots
 from specdecode.model import Part, RowSlots, chain_part, ids_and_positions
 from specdecode.planner import MAX_AUTO_NODES, StepPlan
 from specdecode.rules import OutputRules
@@ -193,8 +193,7 @@ class Sequence:
         operations on so few cost more than the arithmetic."""
         draft, device = self.draft, self.device
         parents = draft.parent_list
-        self._chain = draft.is_chain
-        self._depths = list(range(1, len(parents) + 1)) if self._chain else tree_depths(parents)
+        self._chain, self._depths = draft.is_chain, draft.depth_list()
         start = self.cache.length
         ids = [self.tokens[-1], *draft.token_list]
         if self._chain:

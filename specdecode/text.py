@@ -8,10 +8,7 @@ A `tokenizers` backend does that window itself (its DecodeStream: one call a tok
 
 from __future__ import annotations
 
-try:
-    from tokenizers.decoders import DecodeStream
-except ImportError:  # tokenizers before 0.21
-    DecodeStream = None
+from tokenizers.decoders import DecodeStream
 
 
 def decoder_of(tokenizer):
@@ -42,7 +39,7 @@ class TextStream:
         self.stopped = False
         self._prefix = 0  # window start: ids before it are settled text
         self._read = 0  # ids before it are already part of `text`
-        backend = plain_backend(tokenizer) if DecodeStream is not None else None
+        backend = plain_backend(tokenizer)
         self._stream = None if backend is None else (backend, DecodeStream(skip_special_tokens=True))
 
     def push(self, tokens: list[int]) -> tuple[list[str], int]:

@@ -44,7 +44,6 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.wrapping import Wrapping
-from specdecode.masks import tree_depths
 from specdecode.model import Part
 from specdecode.planner import FIXED, Record
 
@@ -192,7 +191,7 @@ def hindsight(draft: Draft, followed: list[int]) -> tuple[list[int], list[int]]:
     parents = draft.parent_list
     accepted: list[int] = []
     verified: list[int] = []
-    for i, (token, parent, d) in enumerate(zip(draft.token_list, parents, tree_depths(parents))):
+    for i, (token, parent, d) in enumerate(zip(draft.token_list, parents, draft.depth_list())):
         if d > len(followed):
             continue
         verified.append(i)

@@ -57,7 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>>(), py::arg("kind"),
            py::arg("tensors"), py::arg("bias"), py::arg("ints"))
       .def("__call__", &LinearOp::operator())
-      .def("with_argmax", &LinearOp::with_argmax, "(y, each row's argmax: the first index of its largest value; empty where a row holds a NaN)");
+      .def("with_argmax", &LinearOp::with_argmax,
+           "(y, each row's argmax: the first index of its largest value; empty where a row holds a NaN)");
   m.def("run_linears", &run_linears, "linear layers reading one input, in one parallel region (layer_cpu.h)",
         py::arg("x"), py::arg("ops"));
   py::class_<DecodeRows>(m, "DecodeRows", "the segments of a decode forward (layer_cpu.h)")
