@@ -10,7 +10,8 @@ next turn starts with both). Exact by construction where it is used: only where 
 own one-token forward would compute it (engine.prompt_decode: on the CPU, prompt chunks and verify rows alike,
 a tree node's row over its path's slots in the path's order; tests/test_engine.py checks a request's cache
 against a fresh prefill after every step), so the copied keys and values are bit for bit the ones this request's
-own prefill would write. A draft model keeps its prompts the same way; its numbers never change the output.
+own prefill would write. A draft model keeps its prompts the same way, and its answers where it read the whole
+prompt; its numbers never change the output.
 
 Bounded in memory (`max_mb`): the least recently used prompts leave first, and a prompt that is a prefix of a newer
 one is dropped, since the newer one serves it.
@@ -27,7 +28,8 @@ from specdecode.errors import SpecdecodeError
 from specdecode.kv_cache import KVCache
 
 DEFAULT_PROMPT_CACHE_MB = 256.0  # ~4,600 prompt tokens of the 1.5B target (float32 keys and values)
-DRAFT_PROMPT_CACHE_MB = 32.0  # a draft model's: its window of ~128 tokens a prompt, ~3 MB each for the 0.5B
+# A draft model's: its window of a prompt (~3 MB for the 0.5B), or a whole chat turn with its answer (~6-12 MB)
+DRAFT_PROMPT_CACHE_MB = 64.0
 
 
 @dataclass(eq=False)  # compared by identity (list.remove)
@@ -68,14 +70,7 @@ class PromptCache:
     def reuse(self, cache: KVCache, tokens: list[int], limit: int) -> int:
         """Copy the keys and values of the longest prefix of `tokens` (at most `limit` tokens) that a kept prompt
         starts with into `cache`, from position 0 -> how many (0: none). The cache must hold `limit` positions."""
-        if not self.prompts or limit <= 0:
-            return 0
-        ids = np.asarray(tokens[:limit], dtype=np.int64)
-        best, length = None, 0
-        for prompt in self.prompts:
-            shared = common_prefix(prompt.tokens, ids)
-            if shared > length:
-                best, length = prompt, shared
+        best, length = self._longest(tokens, limit)
         if best is None:
             return 0
         cache.k[:, :, :, :length] = best.k[:, :, :, :length]
@@ -83,6 +78,22 @@ class PromptCache:
         cache.truncate(length)
         self._used(best)
         return length
+
+    def shared(self, tokens: list[int], limit: int) -> int:
+        """How many leading tokens of `tokens` (at most `limit`) `reuse` would copy now."""
+        return self._longest(tokens, limit)[1]
+
+    def _longest(self, tokens: list[int], limit: int) -> tuple[_Prompt | None, int]:
+        """The kept prompt sharing the longest prefix with `tokens[:limit]`, and that prefix's length."""
+        if not self.prompts or limit <= 0:
+            return None, 0
+        ids = np.asarray(tokens[:limit], dtype=np.int64)
+        best, length = None, 0
+        for prompt in self.prompts:
+            shared = common_prefix(prompt.tokens, ids)
+            if shared > length:
+                best, length = prompt, shared
+        return best, length
 
     def store(self, tokens: list[int], cache: KVCache) -> None:
         """Keep the keys and values of `tokens` (a prompt, or a prompt and its answer), positions [0, len(tokens)) of

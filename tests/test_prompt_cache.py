@@ -122,7 +122,11 @@ def test_draft_models_reuse_their_prompts_and_change_nothing(target, auto):
                         prompt_cache=PromptCache(4))
         for prompt in (PROMPT, LONGER, LONGER):
             assert run(engine, prompt, params) == expected[tuple(prompt)]
-    assert len(draft.prompts.prompts) == 1  # PROMPT within LONGER: one kept
+    # each prompt with its answer, as far as the draft fed it (PROMPT's own entry went into the first one)
+    kept = sorted(p.tokens.tolist() for p in draft.prompts.prompts)
+    assert len(kept) == 2 and all(len(k) > len(PROMPT) for k in kept)
+    assert {tuple(k[: len(PROMPT)]) for k in kept} == {tuple(PROMPT)}
+    assert any(k[: len(LONGER)] == LONGER for k in kept)
 
 
 def test_batched_requests_reuse_prompts_and_keep_their_outputs(target):
@@ -191,6 +195,32 @@ def test_a_next_turn_starts_from_the_last_answer(target):
     turn = PROMPT + answer + [7, 8, 9]
     assert run(engine, turn, params) == run(Engine(target, NoDrafter()), turn, params)
     assert engine.last.stats.cached_prompt_tokens >= len(PROMPT) + len(answer) - 1
+
+
+@pytest.mark.parametrize("width", [1, 2])  # a chain, and a tree whose accepted nodes move into place
+def test_a_draft_model_keeps_its_answer_and_a_next_turn_reads_it_past_its_window(target, width):
+    """A finished request's draft cache (prompt and answer, as far as the draft fed them) is kept bit for bit as a
+    prefill of those tokens writes it. A next turn longer than the draft's window copies all of it and computes
+    only the rest: the window bounds what the draft computes, not what it copies. The output is plain decoding's."""
+    from specdecode.drafters.base import DraftContext
+
+    params = SamplingParams(max_new_tokens=20)
+    draft = drafter(width=width, window=16)  # PROMPT (13 tokens) fits; the next turn (36) would not
+    engine = Engine(target, draft, num_draft_tokens=3, prompt_cache=PromptCache(4))
+    answer = run(engine, PROMPT, params)
+    (kept,) = draft.prompts.prompts
+    n = len(kept.tokens)
+    assert kept.tokens.tolist() == (PROMPT + answer)[:n] and n >= len(PROMPT) + len(answer) - 3
+    fresh = DraftModelDrafter(draft.model, vocab_size=64, prompts=False)  # the kept tokens as its prompt
+    fresh.propose(DraftContext(kept.tokens.tolist() + [5], params, None), 1)
+    assert torch.equal(kept.k, fresh.cache.k[:, :, :, :n]) and torch.equal(kept.v, fresh.cache.v[:, :, :, :n])
+
+    turn = PROMPT + answer + [7, 8, 9]
+    assert draft.fork().behind(turn + [5]) == len(turn) - n + 1  # the rest of the prompt, and the root
+    assert run(engine, turn, params) == run(Engine(target, NoDrafter()), turn, params)
+    assert engine.last.drafter.skipped == 0  # it read the whole turn
+    unkept = drafter(width=width, window=16)  # without the kept turn: the window's head and newest tokens
+    assert unkept.behind(turn + [5]) == 16 + 1
 
 
 def test_a_draft_model_whose_rows_are_not_exact_keeps_no_prompts_nor_asks_again_at_each_fork(monkeypatch):

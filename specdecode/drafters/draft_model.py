@@ -1,14 +1,16 @@
 """A separate, smaller model with the same tokenizer drafts a tree (or a chain) from its own KV cache.
 
-It reads at most `window` prompt tokens (planner.DRAFT_WINDOW: the first few and the newest), so a long prompt
-costs it little. Bookkeeping with absolute lengths: below `base_length` the draft cache holds a prefix of the
-request's tokens (its context from `skipped` tokens on, after the first SINK_TOKENS, when the prompt was cut).
-`propose` first catches up on the tokens the cache lacks (the last emitted token; after a fully accepted draft also
-the last draft token, which was never fed), then grows the draft depth by depth, best nodes first (EAGLE-2's
-dynamic tree): the `width` best nodes of the newest depth, by cumulative draft probability, go through one batched
-draft forward under a tree mask, and each proposes its `width` most likely tokens as children. With `expand`
-below `width` only the best nodes are fed on, and the other children stay leaves: siblings that cost no draft
-compute at all, only the verify rows the planner decides they are worth. A chain is the tree of width 1. Fed nodes sit in draft cache slots after `base_length`; `commit(accepted)` moves the accepted
+It computes at most `window` prompt tokens (planner.DRAFT_WINDOW: the first few and the newest), so a long prompt
+costs it little; a prefix it kept from an earlier request (a system prompt, a chat's earlier turns with their
+answers) is copied, not computed, and read whole on top of the window. Bookkeeping with absolute lengths: below
+`base_length` the draft cache holds a prefix of the request's tokens (its context from `skipped` tokens on, after
+the window's head, when the prompt was cut). `propose` first catches up on the tokens the cache lacks (the last
+emitted token; after a fully accepted draft also the last draft token, which was never fed), then grows the draft
+depth by depth, best nodes first (EAGLE-2's dynamic tree): the `width` best nodes of the newest depth, by cumulative
+draft probability, go through one batched draft forward under a tree mask, and each proposes its `width` most likely
+tokens as children. With `expand` below `width` only the best nodes are fed on, and the other children stay leaves:
+siblings that cost no draft compute at all, only the verify rows the planner decides they are worth. A chain is the
+tree of width 1. Fed nodes sit in draft cache slots after `base_length`; `commit(accepted)` moves the accepted
 path's fed nodes into place and drops the rest.
 
 When to stop growing is the planner's answer (planner.StepPlan.grow): with the machine's verify cost curve
@@ -42,6 +44,9 @@ TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
 # 14.8 for one and lost speed; leaves as siblings cost no draft compute (BENCHMARKS.md).
 TREE_EXPAND = 1
 SINK_TOKENS = 4  # the first prompt tokens a windowed draft keeps, as attention sinks (StreamingLLM)
+# Most tokens of a kept prefix a draft reads on top of its window: every draft forward reads their keys and values
+# (~25 KB a token for the 0.5B, ~5% of its weights' bytes at this many)
+KEPT_HEAD_MAX = 512
 
 
 class DraftModelDrafter(GrowsTrees):
@@ -53,9 +58,9 @@ class DraftModelDrafter(GrowsTrees):
                  window: int | None = None, prompts: PromptCache | bool | None = None) -> None:
         """`head_tokens`: the vocabulary id of each logit of a draft head cut to frequent tokens
         (vocab_subset.cut_draft_head), None when it scores the whole vocabulary. `window`: the most prompt tokens
-        it reads (its first `SINK_TOKENS` and the newest), None for the whole prompt. `prompts`: recent prompts'
-        keys and values, shared with its forks (None: its own, where prompts run as one-token forwards, so that
-        a copied row is the row it would compute; False: none)."""
+        it computes (its first `SINK_TOKENS`, or a longer prefix it copies, and the newest), None for the whole
+        prompt. `prompts`: recent prompts' keys and values, shared with its forks (None: its own, where prompts
+        run as one-token forwards, so that a copied row is the row it would compute; False: none)."""
         self.model = model
         self.device = model.device
         self.head_tokens = None if head_tokens is None else head_tokens.to(model.device)
@@ -74,11 +79,15 @@ class DraftModelDrafter(GrowsTrees):
         self.forwards = 0  # forwards of the last draft, its catching up excluded
         self.catching_up = False  # the forward now running feeds a prompt or steps this drafter sat out
         self.window = window
-        if prompts is None:  # exact rows only: a seeded request then draws the same whatever ran before it
+        # Exact rows only: what it copies is what it would compute. Where a window cuts a long prompt, what it reads
+        # of it depends on what it kept (a seeded sampled request's draws may too, as with suffix decoding's pool;
+        # greedy output never does)
+        if prompts is None:
             prompts = PromptCache(DRAFT_PROMPT_CACHE_MB) if rows_exact(model) else False
         self.prompts = prompts if isinstance(prompts, PromptCache) else None
-        self.skipped = 0  # prompt tokens left out of its cache (between the sink and the window): cache slot
-        # c >= SINK_TOKENS holds context token c + skipped
+        self.skipped = 0  # prompt tokens left out of its cache (between the window's head and its newest tokens):
+        # a cache slot past the head holds context token slot + skipped
+        self.context: list[int] | None = None  # the request's tokens: the engine's list, which grows with the answer
 
     @property
     def forward_model(self) -> torch.nn.Module:
@@ -100,6 +109,7 @@ class DraftModelDrafter(GrowsTrees):
         if self.cache is not None:
             self.cache.reset()
         self.nodes, self.kept, self.base_length, self.skipped = [], [], 0, 0
+        self.context = None
         self.trust = DepthTrust()
 
     @torch.inference_mode()
@@ -119,7 +129,8 @@ class DraftModelDrafter(GrowsTrees):
         pending = ctx.tokens[self.cache.length + self.skipped :]  # [>= 1] tokens not yet in the draft cache
         self.catching_up = True
         if self.cache.length == 0 and len(pending) > 1:
-            prompt = self._windowed(pending[:-1])
+            self.context = ctx.tokens
+            prompt, self.skipped = self._windowed(pending[:-1])
             # What an earlier prompt shares with this one is copied (a system prompt, a chat's earlier turns).
             reused = self.prompts.reuse(self.cache, prompt, len(prompt)) if self.prompts is not None else 0
             if reused < len(prompt):
@@ -144,21 +155,39 @@ class DraftModelDrafter(GrowsTrees):
         return self.forwards * self.forward_s
 
     def behind(self, tokens: list[int]) -> int:
-        """Tokens its next draft first feeds: the prompt (as far as its window reads it), or steps it sat out."""
+        """Tokens its next draft first feeds: the prompt (as far as its window reads it, less what it copies), or
+        steps it sat out."""
         if self.cache is None or self.cache.length == 0:
-            return len(tokens) if self.window is None else min(len(tokens), self.window + 1)
+            prompt, _ = self._windowed(tokens[:-1])
+            copied = self.prompts.shared(prompt, len(prompt)) if self.prompts is not None else 0
+            return len(prompt) - copied + 1  # and the root
         return len(tokens) - self.cache.length - self.skipped
 
-    def _windowed(self, prompt: list[int]) -> list[int]:
-        """The prompt tokens its cache will hold: all of them, or with a `window` its first SINK_TOKENS (small
-        models lean their attention on the first positions) and the newest. Positions follow the cache, so the
-        window's tokens keep their distances to each other. Reading a long prompt costs a draft model about a
-        third of the target's prefill, which a short answer never earns back (BENCHMARKS.md, "A window on the
-        draft's prompt")."""
-        if self.window is None or len(prompt) <= self.window:
-            return prompt
-        self.skipped = len(prompt) - self.window
-        return prompt[:SINK_TOKENS] + prompt[SINK_TOKENS + self.skipped :]
+    def _windowed(self, prompt: list[int]) -> tuple[list[int], int]:
+        """(the prompt tokens its cache will hold, how many are left out). All of them, or with a `window` a head
+        and the newest `window - SINK_TOKENS`. The head is the first SINK_TOKENS (small models lean their attention
+        on the first positions) or, where longer, the prefix its prompt cache holds (copied, not computed: a system
+        prompt, a chat's earlier turns), up to KEPT_HEAD_MAX. Positions follow the cache, so the window's tokens
+        keep their distances to each other. Reading a long prompt costs a draft model about a third of the
+        target's prefill, which a short answer never earns back (BENCHMARKS.md, "A window on the draft's
+        prompt")."""
+        if self.window is None:
+            return prompt, 0
+        kept = self.prompts.shared(prompt, KEPT_HEAD_MAX) if self.prompts is not None else 0
+        head = max(SINK_TOKENS, kept)
+        skipped = len(prompt) - head - (self.window - SINK_TOKENS)
+        if skipped <= 0:
+            return prompt, 0
+        return prompt[:head] + prompt[head + skipped :], skipped
+
+    def finished(self, answer: list[int]) -> None:
+        """Its cache holds the prompt and the answer as far as it fed them: kept, so that a chat's next turn, which
+        starts with both, copies them (rows computed as the target's are, where its prompt cache is on). A
+        windowed prompt's cache is no prefix of the next turn: not kept."""
+        if self.prompts is None or self.cache is None or self.skipped or self.context is None:
+            return
+        length = min(self.cache.length, len(self.context))  # its last accepted nodes may be past a stop's cut
+        self.prompts.store(self.context[:length], self.cache)
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Accepted nodes that were fed stay, moved behind the agreed prefix; a node never fed (a leaf) ends them.
