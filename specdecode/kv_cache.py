@@ -30,12 +30,14 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0  # number of valid positions, [0, length)
+        self.cpu_float32 = on_cpu_in_float32(self.k)  # what the native decode layers take: asked once, not a forward
 
     @classmethod
     def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
         """An empty cache over existing buffers (a model's CUDA graphs lend theirs: graphs fix addresses)."""
         cache = cls.__new__(cls)
         cache.k, cache.v, cache.max_len, cache.length = k, v, k.shape[3], 0
+        cache.cpu_float32 = on_cpu_in_float32(k)
         return cache
 
     def truncate(self, length: int) -> None:
@@ -81,3 +83,7 @@ def bytes_per_token(model: torch.nn.Module) -> int | None:
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize
     except AttributeError:
         return None
+
+
+def on_cpu_in_float32(buffer: torch.Tensor) -> bool:
+    return buffer.dtype == torch.float32 and buffer.device.type == "cpu"

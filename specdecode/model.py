@@ -376,6 +376,8 @@ class Transformer(nn.Module):
         self._rotary_table: RotaryTable | None = None  # _rotary's, on the CPU
         self._native: tuple[tuple, object | None] = ((), None)  # (the linear modules it was built from, the stack)
         self._native_edits = -1  # module_edits.count when the linear modules were last compared
+        self._native_embed: tuple[torch.Tensor, object | None] | None = None  # (a float embedding's weight, its
+        # native lookup), for _native_embedding
         self.graphs: GraphedForwards | None = None  # a lone sequence's decode forwards as CUDA graphs (cuda_graphs.py)
 
     def use_graphs(self, on: bool = True, capture: bool = True, cache_len: int | None = None) -> None:
@@ -519,17 +521,38 @@ class Transformer(nn.Module):
 
     def _native_forward(self, native, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                         feature_layers: tuple[int, ...]) -> torch.Tensor:
-        """Decode rows tokens, positions [N] through every layer and the final norm in one native call (the same
-        operations as the loop in _layers) -> hidden [N, d (+ features)]."""
-        x = self.model.embed_tokens.forward(tokens)  # [N, d] (as the head: no module call)
+        """Decode rows tokens, positions [N] through the embedding, every layer and the final norm in one native
+        call (the same operations as the loop in _layers) -> hidden [N, d (+ features)]."""
         # every position is below its cache's length after the forward: no max over the positions (a host read)
         bound = max(s.cache.length + s.end - s.begin for s in segments)
-        cos, sin = self._rotary_rows(positions, x.dtype, bound)  # [N, hd] each
         rows = cpu_kernels().DecodeRows(
             [s.begin for s in segments], [s.end for s in segments], [s.cache.length for s in segments],
             [s.rows.spans for s in segments], [s.rows.extras for s in segments],
             [s.cache.k for s in segments], [s.cache.v for s in segments])  # fmt: skip
+        embed = self.model.embed_tokens
+        if (looked_up := self._native_embedding(embed)) is not None:  # the lookups in the same call
+            cos, sin = self._rotary_tables(torch.float32, bound)
+            return native.forward_ids(tokens, positions, looked_up, cos, sin, rows, list(feature_layers))
+        x = embed.forward(tokens)  # [N, d] (as the head: no module call)
+        cos, sin = self._rotary_rows(positions, x.dtype, bound)  # [N, hd] each
         return native.forward(x, cos, sin, rows, list(feature_layers))
+
+    def _native_embedding(self, embed: nn.Module):
+        """`embed` as the native stack looks rows up (kernels.TokenEmbedding), the same bits as its own forward,
+        or None where the stack cannot: a weight in blocks on the kernel (quantize.QuantEmbedding.native) or a
+        float32 nn.Embedding on the CPU. Made once per embedding and weight."""
+        if (native := getattr(embed, "native", None)) is not None:
+            return native
+        if type(embed) is not nn.Embedding:
+            return None
+        weight = embed.weight
+        made = self._native_embed
+        if made is not None and made[0] is weight:
+            return made[1]
+        usable = (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+                  and embed.padding_idx is None and embed.max_norm is None)
+        self._native_embed = (weight, cpu_kernels().TokenEmbedding(1, [weight.detach()], []) if usable else None)
+        return self._native_embed[1]
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, 1, T, head_dim] of the rotary angles at `positions` [B, T]. On the CPU, rows of tables
@@ -547,21 +570,24 @@ class Transformer(nn.Module):
     def _rotary_rows(self, positions: torch.Tensor, dtype: torch.dtype,
                      bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [N, head_dim] at `positions` [N] (CPU), every one below `bound`: rows of the table."""
+        cos, sin = self._rotary_tables(dtype, bound)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def _rotary_tables(self, dtype: torch.dtype, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and sin tables [P, head_dim] (CPU), P >= `bound`."""
         table = self._rotary_table
         if table is None or table.inv_freq is not self.inv_freq or table.dtype != dtype:
             table = self._rotary_table = RotaryTable(self.inv_freq, dtype)
-        cos, sin = table.upto(bound)
-        return cos.index_select(0, positions), sin.index_select(0, positions)
+        return table.upto(bound)
 
     def _native_decode(self, segments: list[Segment]):
         """The decoder layers and the final norm as one native decode step (kernels/layer_cpu.h, DecoderStack), or
         None where the Python loop must run:
         a prefill segment, a cache not float32 on the CPU (caches are made in the model's dtype and device: the
-        model's own attributes cost ~20 us a forward to read on flushed caches), or a linear layer that is not on a
-        kernel (a LoRA adapter, for one). Built once and rebuilt if a layer is replaced."""
+        model's own attributes cost ~20 us a forward to read on flushed caches; the cache says once), or a linear
+        layer that is not on a kernel (a LoRA adapter, for one). Built once and rebuilt if a layer is replaced."""
         for s in segments:
-            k = s.cache.k
-            if s.rows is None or k.dtype != torch.float32 or k.device.type != "cpu":
+            if s.rows is None or not s.cache.cpu_float32:
                 return None
         if self._native_edits != module_edits.count:  # a module was assigned somewhere since the last check
             linears = self._linear_modules()

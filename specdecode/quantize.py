@@ -121,6 +121,11 @@ class QuantEmbedding(nn.Module):
         self._rows: dict[int, torch.Tensor] = {}  # token -> its row, oldest first
         kernels = cpu_kernels() if packed.d.device.type == "cpu" else None
         self._native = None if kernels is None else kernels.embedding_rows
+        # the same lookup inside a native decode forward (model.py), for rows in float32
+        f = packed.format
+        self.native = None if kernels is None or dtype != torch.float32 else kernels.TokenEmbedding(
+            0, [packed.qs, packed.qh, packed.scales, packed.mins, packed.d, packed.dmin],
+            [f.bits, f.superblock, f.group, int(f.sub_scales), int(f.has_min)])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._native is not None and tokens.device.type == "cpu":

@@ -169,6 +169,35 @@ def test_native_decoder_layers_equal_the_python_loop(monkeypatch, model_type, mo
 
 
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+@pytest.mark.parametrize("embedding", ["float", "q8_0", "q4_k"])
+def test_a_native_forward_looks_up_its_token_ids_and_positions_as_python_does(monkeypatch, embedding):
+    """A decode forward's embedding rows (a float table, or blocks as a GGUF file stores them) and rotary rows are
+    looked up inside the native call (DecoderStack.forward_ids): the same bits as the embedding module's and the
+    rotary table's rows handed to it, and as the Python loop."""
+    from specdecode.blocks import quantize_float
+    from specdecode.model import Transformer
+    from specdecode.quantize import QuantEmbedding
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
+    model = quantize_(tiny_native("qwen2", seed=8, **shape), "q4_k")
+    if embedding != "float":
+        weight = model.model.embed_tokens.weight.detach()
+        model.model.embed_tokens = QuantEmbedding(quantize_float(weight, embedding), torch.float32)
+    assert model._native_embedding(model.model.embed_tokens) is not None
+    in_call = chain_tree_and_batch(model)
+    assert model._native[1] is not None, "the native layers did not run"
+    monkeypatch.setattr(Transformer, "_native_embedding", lambda self, embed: None)
+    handed = chain_tree_and_batch(model)
+    monkeypatch.setattr(Transformer, "_native_decode", lambda self, segments: None)
+    python = chain_tree_and_batch(model)
+    assert all(torch.equal(a, b) for a, b in zip(in_call, handed, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(in_call, python, strict=True))
+    table = kernels.TokenEmbedding(1, [torch.randn(6, 8)], [])
+    with pytest.raises(RuntimeError, match="outside"):
+        table.rows(torch.tensor([2, 6]))
+
+
+@pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_linears_run_together_equal_each_alone(rows):
     """q, k, v (and gate, up) share one parallel region and one quantized input, whatever their block formats:

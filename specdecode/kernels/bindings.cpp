@@ -73,10 +73,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("index"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("q"),
            py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"));
+  py::class_<TokenEmbedding>(m, "TokenEmbedding", "a token embedding for DecoderStack.forward_ids (kind: 0 blocks, "
+                                                  "1 float32 rows; layer_cpu.h)")
+      .def(py::init<int64_t, std::vector<at::Tensor>, std::vector<int64_t>>(), py::arg("kind"), py::arg("tensors"),
+           py::arg("ints"))
+      .def("rows", &TokenEmbedding::rows);
   py::class_<DecoderStack>(m, "DecoderStack", "every decoder layer and the final norm: a decode forward in one call "
                                               "(layer_cpu.h)")
       .def(py::init<std::vector<DecoderLayer>, at::Tensor, double>(), py::arg("layers"), py::arg("norm"),
            py::arg("eps"))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rows"),
-           py::arg("features"));
+           py::arg("features"))
+      .def("forward_ids", &DecoderStack::forward_ids, py::arg("ids"), py::arg("positions"), py::arg("embed"),
+           py::arg("cos_table"), py::arg("sin_table"), py::arg("rows"), py::arg("features"));
 }

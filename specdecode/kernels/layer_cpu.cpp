@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <unistd.h>
 #include <immintrin.h>
 
@@ -351,6 +352,43 @@ at::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const at::Tensor&
   laps.mark(8);
   if (laps.on) ++profiled_calls;
   return wd.done();
+}
+
+namespace {
+// Rows idx [T] of a float32 table [P, d] (a copy, as index_select's), each index checked against P.
+at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& idx, const char* what) {
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous(), what,
+              ": a contiguous float32 table [P, d]");
+  TORCH_CHECK(idx.dim() == 1 && idx.scalar_type() == at::kLong && idx.is_contiguous(), what, ": int64 indices [T]");
+  const int64_t n = idx.size(0), rows = table.size(0), d = table.size(1);
+  const int64_t* at_row = idx.data_ptr<int64_t>();
+  auto out = at::empty({n, d}, table.options());
+  const float* from = table.data_ptr<float>();
+  float* to = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(at_row[i] >= 0 && at_row[i] < rows, what, ": index ", at_row[i], " outside [0, ", rows, ")");
+    std::memcpy(to + i * d, from + at_row[i] * d, d * sizeof(float));
+  }
+  return out;
+}
+}  // namespace
+
+at::Tensor TokenEmbedding::rows(const at::Tensor& ids) const {
+  if (kind == kFloat) return gather_rows(tensors[0], ids, "token ids");  // what torch's embedding lookup copies
+  TORCH_CHECK(kind == kBlocks && tensors.size() == 6 && ints.size() == 5, "TokenEmbedding: unknown kind ", kind);
+  return embedding_rows(ids, tensors[0], tensors[1], tensors[2], tensors[3], tensors[4], tensors[5], ints[0], ints[1],
+                        ints[2], ints[3] != 0, ints[4] != 0);
+}
+
+at::Tensor DecoderStack::forward_ids(const at::Tensor& ids, const at::Tensor& positions, const TokenEmbedding& embed,
+                                     const at::Tensor& cos_table, const at::Tensor& sin_table, const DecodeRows& rows,
+                                     const std::vector<int64_t>& features) const {
+  TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0) &&
+                  ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
+              "ids and positions must be int64 [T]");
+  const auto pos = positions.contiguous();
+  return forward(embed.rows(ids.contiguous()), gather_rows(cos_table, pos, "positions"),
+                 gather_rows(sin_table, pos, "positions"), rows, features);
 }
 
 at::Tensor DecoderStack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

@@ -68,6 +68,17 @@ struct DecoderLayer {
   bool in_team() const;
 };
 
+// A model's token embedding, for a decode forward that starts from token ids: rows of a weight in blocks (as
+// embedding_rows reads them) or of a float32 matrix, the same bits as the model's own lookup.
+struct TokenEmbedding {
+  enum Kind : int64_t { kBlocks = 0, kFloat = 1 };
+  int64_t kind;
+  std::vector<at::Tensor> tensors;  // kBlocks: qs, qh, scales, mins, d, dmin; kFloat: the weight [vocab, d]
+  std::vector<int64_t> ints;        // kBlocks: bits, superblock, group, sub_scales, has_min
+
+  at::Tensor rows(const at::Tensor& ids) const;  // ids [T] int64 -> [T, d] float32
+};
+
 // Every decoder layer of a model and its final norm: a decode forward in one call, and where every linear layer
 // is on a 16-channel kernel, in one parallel region (team_cpu.h).
 struct DecoderStack {
@@ -79,6 +90,12 @@ struct DecoderStack {
   // `features` (an EAGLE head's features) along the last dimension: [T, d * (1 + features)]
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const DecodeRows& rows, const std::vector<int64_t>& features) const;
+  // The same from token ids and rotary positions [T] (int64): their rows of `embed` and of the rotary tables
+  // cos_table, sin_table [P, head_dim] (P above every position). Three calls from Python fewer a forward, each
+  // ~10-35 us on the caches the last forward flushed.
+  at::Tensor forward_ids(const at::Tensor& ids, const at::Tensor& positions, const TokenEmbedding& embed,
+                         const at::Tensor& cos_table, const at::Tensor& sin_table, const DecodeRows& rows,
+                         const std::vector<int64_t>& features) const;
 
   // Whether every layer runs in the team, and the layers' stage plans: made on the first forward (and again if
   // this object moved: the plans point into it).
