@@ -69,7 +69,7 @@ def draft_forwards(args, flush) -> None:
     def timed_draft(parts, *a, **k):
         began = time.perf_counter()
         out = draft_forward(parts, *a, **k)
-        rows = sum(p.tokens.numel() for p in parts)
+        rows = sum(getattr(p, "count", None) or p.tokens.numel() for p in parts)  # older checkouts: no count
         if rows <= 4:  # a prompt's feed is not a step's forward
             times[(place[0], rows)].append(time.perf_counter() - began)
         place[0] += 1

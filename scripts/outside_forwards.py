@@ -37,7 +37,7 @@ class ForwardClock:
             began = time.perf_counter()
             out = plain(parts, *args, **kwargs)
             took = time.perf_counter() - began
-            if is_target and any(p.tokens.numel() > PROMPT_ROWS for p in parts):
+            if is_target and any((getattr(p, "count", None) or p.tokens.numel()) > PROMPT_ROWS for p in parts):
                 self.prompt_seconds += took
             else:
                 self.seconds += took

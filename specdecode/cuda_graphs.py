@@ -110,7 +110,7 @@ class GraphedForwards:
     def run(self, part, feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`part`'s forward through a graph -> (logits, hidden) as `forward_parts` gives them, or None where it
         must run eagerly."""
-        count, cache = part.tokens.numel(), part.cache
+        count, cache = part.count, part.cache
         if not part.decode or count > MAX_ROWS or not self.knows(cache) or torch.is_grad_enabled():
             return None
         rows = bucket(count)

@@ -228,7 +228,7 @@ class Engine:
                 parts.append(seq.prefill_part(n, self.prompt_decode))
                 owners.append(seq)
                 room -= n
-        prefill_rows = sum(p.tokens.numel() for p in parts)
+        prefill_rows = sum(p.count for p in parts)
         results: list[Outcome] = self._draft(decoding, prefill_rows)
         broken = {id(seq) for seq, _ in results}
         decoding = [seq for seq in decoding if id(seq) not in broken]
@@ -250,13 +250,13 @@ class Engine:
         # Every part in decode mode (prompts too, on the CPU): rows as if alone. Drafters of one engine are forks
         # of one, so they read the same target layers.
         outputs = self.target.forward_parts(parts, self.drafter.feature_layers)
-        rows = sum(p.tokens.numel() for p in parts)
+        rows = sum(p.count for p in parts)
         if self.times_forwards:
             self.planner.observe(rows, time.perf_counter() - began)
         for seq, part, (logits, hidden) in zip(owners, parts, outputs):
             try:
                 if seq.prefilling:
-                    step = seq.prefilled(part.tokens.numel(), logits, hidden)
+                    step = seq.prefilled(part.count, logits, hidden)
                     if step is not None:
                         results += self._copy_prefill(seq, logits[-1:])
                         if self._reuses_prompt(seq):

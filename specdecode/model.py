@@ -129,27 +129,54 @@ class Segment:
     mask_rows: bool = False  # rows None: one attention call per row, each under its own row of attn_mask
 
 
-@dataclass(slots=True)
 class Part:
-    """One sequence's share of a ragged forward (forward_parts): t new tokens after cache.length cached ones."""
+    """One sequence's share of a ragged forward (forward_parts): t new tokens after cache.length cached ones.
 
-    tokens: torch.Tensor  # [t]
-    positions: torch.Tensor  # [t] rotary positions
-    cache: KVCache  # batch 1
-    attn_mask: torch.Tensor | None  # [1, 1, t, S] bool; None: built from `rows` where a forward needs it (mask())
-    logits_from: int = 0  # logits only for rows [logits_from, t)
-    decode: bool = True  # rows computed as one-token forwards would (a prompt may go faster without)
-    rows: RowSlots | None = None  # each row's slots where the caller knows them (a chain), else read off the mask
-    # Greedy verification reads only each row's argmax of its logits: asked for, the LM head finds it as it writes
-    # them (forward_parts sets row_argmax [t - logits_from], where the head can and no row holds a NaN)
-    wants_argmax: bool = False
-    row_argmax: torch.Tensor | None = None
+    Its token ids and rotary positions come as tensors [t], or as lists: a step's parts are made from lists, and
+    the native decode layers take them as lists, so no tensor is made for them between two forwards (two tensors,
+    or one and its two rows, cost ~40 us on the caches a forward flushed). `tokens` and `positions` make the
+    tensors, on `device`, where a forward needs them (the Python layers, a GPU's graphs)."""
+
+    __slots__ = ("_tokens", "_positions", "id_list", "position_list", "count", "device", "cache", "attn_mask",
+                 "logits_from", "decode", "rows", "wants_argmax", "row_argmax")
+
+    def __init__(self, tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int], cache: KVCache,
+                 attn_mask: torch.Tensor | None, logits_from: int = 0, decode: bool = True,
+                 rows: RowSlots | None = None, device: torch.device | str | None = None) -> None:
+        """`attn_mask` [1, 1, t, S] bool; None: built from `rows` where a forward needs it (mask()). `logits_from`:
+        logits only for rows [logits_from, t). `decode`: rows computed as one-token forwards would (a prompt may
+        go faster without). `rows`: each row's slots where the caller knows them (a chain), else read off the
+        mask. `device`: where lists' tensors are made (default: the cache's)."""
+        if isinstance(tokens, list):
+            self.id_list, self.position_list, self._tokens, self._positions = tokens, positions, None, None
+            self.device = cache.k.device if device is None else device
+            self.count = len(tokens)
+        else:
+            self.id_list = self.position_list = None
+            self._tokens, self._positions, self.device, self.count = tokens, positions, tokens.device, tokens.numel()
+        self.cache, self.attn_mask, self.logits_from, self.decode, self.rows = cache, attn_mask, logits_from, decode, rows
+        # Greedy verification reads only each row's argmax of its logits: asked for, the LM head finds it as it
+        # writes them (forward_parts sets row_argmax [t - logits_from], where the head can and no row holds a NaN)
+        self.wants_argmax = False
+        self.row_argmax: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> torch.Tensor:  # [t]
+        if self._tokens is None:
+            self._tokens, self._positions = ids_and_positions(self.id_list, self.position_list, self.device)
+        return self._tokens
+
+    @property
+    def positions(self) -> torch.Tensor:  # [t] rotary positions
+        if self._positions is None:
+            self._tokens, self._positions = ids_and_positions(self.id_list, self.position_list, self.device)
+        return self._positions
 
     def mask(self) -> torch.Tensor:
         """The attention mask [1, 1, t, S]: as given, or built from `rows`. The CPU's decode rows attend by their
         slots and never read it; a step's parts skip building it (a few tensor operations each)."""
         if self.attn_mask is None:
-            self.attn_mask = rows_mask(self.rows, self.tokens.device)
+            self.attn_mask = rows_mask(self.rows, self.device)
         return self.attn_mask
 
 
@@ -157,15 +184,14 @@ def chain_part(tokens: torch.Tensor | list[int], cache: KVCache, logits_from: in
                start: int | None = None, device: torch.device | None = None) -> Part:
     """`tokens` [t] as a chain after `start` (default: the cache's length) tokens: row j at position start + j sees
     slots [0, start + j]. Its rows' slots come with it (reading them off the mask costs a few tensor operations).
-    Tokens as a list: made on `device` (default: the cache's)."""
+    Tokens as a list: its tensors, where a forward needs them, made on `device` (default: the cache's)."""
     start, count = cache.length if start is None else start, len(tokens)
     if isinstance(tokens, list):
-        device = cache.k.device if device is None else device
-        tokens, positions = ids_and_positions(tokens, list(range(start, start + count)), device)
+        positions = list(range(start, start + count))
     else:
         positions = torch.arange(start, start + count, device=tokens.device)
     rows = RowSlots(list(range(start + 1, start + count + 1)), [])
-    return Part(tokens, positions, cache, None, logits_from, decode, rows)
+    return Part(tokens, positions, cache, None, logits_from, decode, rows, device)
 
 
 def ids_and_positions(ids: list[int], positions: list[int], device: torch.device | str) -> tuple[torch.Tensor,
@@ -438,25 +464,33 @@ class Transformer(nn.Module):
         segments, begin = [], 0
         for part in parts:  # the slots each writes: computed where the Python layers need them (an ATen call)
             part.row_argmax = None  # found anew by this forward's head, or not at all
-            t = part.tokens.numel()
+            t = part.count
             rows = (part.rows or row_slots(part.attn_mask)) if part.decode else None
             segments.append(Segment(begin, begin + t, part.cache, None, None if rows else part.mask(), rows))
             begin += t
         # Each tensor operation between two forwards costs ~10 us on the caches the last one flushed: a lone
         # request's step takes views, not copies, and none where the whole tensor is the answer.
         one = len(parts) == 1
-        tokens = parts[0].tokens if one else torch.cat([p.tokens for p in parts])  # [N]
-        positions = parts[0].positions if one else torch.cat([p.positions for p in parts])
-        if (native := self._native_decode(segments)) is not None:
-            hidden = self._native_forward(native, tokens, positions, segments, feature_layers)  # [N, d (+ features)]
+        native = self._native_decode(segments)
+        if native is not None and all(p.id_list is not None for p in parts):  # lists to the native call: no tensors
+            ids = parts[0].id_list if one else [t for p in parts for t in p.id_list]
+            at = parts[0].position_list if one else [t for p in parts for t in p.position_list]
+            hidden = self._native_forward(native, ids, at, segments, feature_layers)  # [N, d (+ features)]
         else:
-            for s in segments:
-                s.write_pos = torch.arange(s.cache.length, s.cache.length + s.end - s.begin, device=tokens.device)
-            hidden = self._layers(tokens[None], positions[None], segments, feature_layers)[0]
+            tokens = parts[0].tokens if one else torch.cat([p.tokens for p in parts])  # [N]
+            positions = parts[0].positions if one else torch.cat([p.positions for p in parts])
+            if native is not None:
+                hidden = self._native_forward(native, tokens, positions, segments, feature_layers)
+            else:
+                for s in segments:
+                    s.write_pos = torch.arange(s.cache.length, s.cache.length + s.end - s.begin, device=tokens.device)
+                hidden = self._layers(tokens[None], positions[None], segments, feature_layers)[0]
         size = self.config.hidden_size
         # The rows whose logits are wanted: slices where they are (every row, or one part's tail), else gathered
         if one and parts[0].logits_from == 0 and hidden.shape[1] == size:
             final = hidden
+        elif one and hidden.shape[1] == size:  # a draft's chain: its last rows, one call (a 2-D index is ~15 us)
+            final = hidden.narrow(0, parts[0].logits_from, hidden.shape[0] - parts[0].logits_from)
         elif one:
             final = hidden[parts[0].logits_from :, :size]
         elif all(p.logits_from == 0 for p in parts):
@@ -519,10 +553,10 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         return torch.cat((x, *captured), dim=-1) if captured else x
 
-    def _native_forward(self, native, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                        feature_layers: tuple[int, ...]) -> torch.Tensor:
-        """Decode rows tokens, positions [N] through the embedding, every layer and the final norm in one native
-        call (the same operations as the loop in _layers) -> hidden [N, d (+ features)]."""
+    def _native_forward(self, native, tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int],
+                        segments: list[Segment], feature_layers: tuple[int, ...]) -> torch.Tensor:
+        """Decode rows tokens, positions [N] (tensors or lists) through the embedding, every layer and the final
+        norm in one native call (the same operations as the loop in _layers) -> hidden [N, d (+ features)]."""
         # every position is below its cache's length after the forward: no max over the positions (a host read)
         bound = max(s.cache.length + s.end - s.begin for s in segments)
         rows = cpu_kernels().DecodeRows(
@@ -532,7 +566,10 @@ class Transformer(nn.Module):
         embed = self.model.embed_tokens
         if (looked_up := self._native_embedding(embed)) is not None:  # the lookups in the same call
             cos, sin = self._rotary_tables(torch.float32, bound)
-            return native.forward_ids(tokens, positions, looked_up, cos, sin, rows, list(feature_layers))
+            forward = native.forward_id_lists if isinstance(tokens, list) else native.forward_ids
+            return forward(tokens, positions, looked_up, cos, sin, rows, list(feature_layers))
+        if isinstance(tokens, list):
+            tokens, positions = ids_and_positions(tokens, positions, "cpu")
         x = embed.forward(tokens)  # [N, d] (as the head: no module call)
         cos, sin = self._rotary_rows(positions, x.dtype, bound)  # [N, hd] each
         return native.forward(x, cos, sin, rows, list(feature_layers))

@@ -13,6 +13,7 @@ emitted tokens at EOS or the token budget. Invariant between decode steps, asser
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.kv_cache import KVCache
 from specdecode.masks import tree_row_slots
-from specdecode.model import Part, RowSlots, chain_part, ids_and_positions
+from specdecode.model import Part, RowSlots, chain_part
 from specdecode.planner import MAX_AUTO_NODES, StepPlan
 from specdecode.rules import OutputRules
 from specdecode.sampling import greedy_tokens, make_generator, sample, to_probs
@@ -195,13 +196,13 @@ class Sequence:
         parents = draft.parent_list
         self._chain, self._depths = draft.is_chain, draft.depth_list()
         start = self.cache.length
-        ids = [self.tokens[-1], *draft.token_list]
+        ids = [self.tokens[-1], *map(operator.index, draft.token_list)]  # a drafter's non-id fails here, alone
         if self._chain:
             part = chain_part(ids, self.cache, device=device)
         else:
-            ids, positions = ids_and_positions(ids, [start] + [start + d for d in self._depths], device)
             spans, extras = tree_row_slots(start, parents)
-            part = Part(ids, positions, self.cache, None, rows=RowSlots(spans, extras))  # its mask: tree_mask's
+            part = Part(ids, [start] + [start + d for d in self._depths], self.cache, None,
+                        rows=RowSlots(spans, extras), device=device)  # its mask: tree_mask's
         # greedy verification of unshaped logits reads each row's argmax only: found as the LM head writes them
         part.wants_argmax = self.params.greedy and not self.rules.active
         self._verifying = part

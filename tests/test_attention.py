@@ -261,7 +261,7 @@ def test_draft_nodes_carry_the_slots_their_mask_gives():
     chain = [node(-1, 1, 10), node(0, 2, 11), node(1, 3)]
     tree = [node(-1, 1, 10), node(-1, 1, 12), node(0, 2, 13), node(2, 3), node(1, 2)]
     for nodes, expand, start in ((chain, [2], 12), (tree, [3, 4], 14)):
-        _, _, rows = GrowsTrees._place(None, expand, nodes, start, 10, torch.device("cpu"))
+        _, _, rows = GrowsTrees._place(None, expand, nodes, start, 10)
         mask = torch.zeros(len(expand), start + len(expand), dtype=torch.bool)  # the prefix, ancestors, itself
         mask[:, :10] = True
         for row, i in enumerate(expand):

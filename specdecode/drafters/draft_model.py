@@ -213,8 +213,8 @@ class DraftModelDrafter(GrowsTrees):
     def _nodes_part(self, expand: list[int], nodes: list[Node]) -> Part:
         """One draft forward over the nodes `expand` (one depth), each seeing the prefix and its ancestors."""
         self.forwards += 1
-        ids, positions, rows = self._place(expand, nodes, self.cache.length, self.base_length, self.device)
-        return Part(ids, positions, self.cache, None, rows=rows)  # its mask, where a forward reads one: from rows
+        ids, positions, rows = self._place(expand, nodes, self.cache.length, self.base_length)
+        return Part(ids, positions, self.cache, None, rows=rows, device=self.device)  # a mask, where read: from rows
 
     def _chain_part(self, tokens: list[int], decode: bool = True) -> Part:
         """A chain of tokens at the next cache positions; the logits of the last one."""

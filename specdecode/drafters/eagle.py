@@ -37,7 +37,7 @@ from specdecode.drafters import store
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees, Node
 from specdecode.kv_cache import KVCache
-from specdecode.model import rows_mask
+from specdecode.model import ids_and_positions, rows_mask
 from specdecode.planner import HEAD_MIN_CONFIDENCE
 
 @dataclass(slots=True)
@@ -299,7 +299,8 @@ class EagleDrafter(GrowsTrees):
         -> their logits [len(expand), draft vocab]."""
         head = self.model
         start = self.cache.length
-        ids, positions, rows = self._place(expand, nodes, start, self.base_length, head.device)
+        ids, positions, rows = self._place(expand, nodes, start, self.base_length)
+        ids, positions = ids_and_positions(ids, positions, head.device)
         mask = rows_mask(rows, head.device)[0, 0]  # [len(expand), start + len(expand)]
         parents = [self.root_hidden[0] if nodes[i].parent < 0 else self.hidden_of[nodes[i].parent] for i in expand]
         embeds = target_embeddings(self.target)(ids[None])[0]

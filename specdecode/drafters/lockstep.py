@@ -72,7 +72,7 @@ def _forward(model: torch.nn.Module, parts: list[Part], drafters: list[Drafter])
     outputs = model.forward_parts(parts)
     seconds = (time.perf_counter() - began) / len(parts)
     for part in parts:
-        part.cache.truncate(part.cache.length + part.tokens.numel())
+        part.cache.truncate(part.cache.length + part.count)
     if all(part.decode for part in parts):
         for drafter in drafters:
             drafter.forward_took(seconds)

@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
-from specdecode.model import RowSlots, ids_and_positions
+from specdecode.model import RowSlots
 from specdecode.planner import (FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR, MODEL_TRUST_RANGE,
                                 running_mean)
 from specdecode.sampling import greedy_topk_lists, gumbel_topk, to_probs
@@ -107,12 +107,12 @@ class GrowsTrees(Drafter):
     def forward_s(self) -> float:
         return self.clock.seconds
 
-    def _place(self, expand: list[int], nodes: list[Node], start: int, base_length: int,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, RowSlots]:
+    def _place(self, expand: list[int], nodes: list[Node], start: int,
+               base_length: int) -> tuple[list[int], list[int], RowSlots]:
         """Nodes `expand` (one depth) fed at cache slots [start, start + len(expand)) -> (their token ids, their
         rotary positions (base_length - 1 + depth), and each row's slots: the agreed prefix, its fed ancestors and
         itself; model.rows_mask makes the mask of them where a forward reads one). Records each node's slot.
-        Built as lists, then one tensor each: a tensor write per ancestor cost ~3 us apiece."""
+        Lists: a tensor write per ancestor cost ~3 us apiece, and the native layers take the ids as lists."""
         spans, extras = [], []
         for row, i in enumerate(expand):
             nodes[i].slot = start + row
@@ -126,8 +126,7 @@ class GrowsTrees(Drafter):
                 span, k = span + 1, k + 1
             spans.append(span)
             extras.append(path[k:])
-        ids, positions = ids_and_positions([nodes[i].token for i in expand],
-                                           [base_length - 1 + nodes[i].depth for i in expand], device)
+        ids, positions = [nodes[i].token for i in expand], [base_length - 1 + nodes[i].depth for i in expand]
         return ids, positions, RowSlots(spans, extras if any(extras) else [])
 
     def forward_took(self, seconds: float) -> None:

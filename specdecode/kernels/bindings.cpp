@@ -85,5 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rows"),
            py::arg("features"))
       .def("forward_ids", &DecoderStack::forward_ids, py::arg("ids"), py::arg("positions"), py::arg("embed"),
-           py::arg("cos_table"), py::arg("sin_table"), py::arg("rows"), py::arg("features"));
+           py::arg("cos_table"), py::arg("sin_table"), py::arg("rows"), py::arg("features"))
+      .def("forward_id_lists", &DecoderStack::forward_id_lists, py::arg("ids"), py::arg("positions"),
+           py::arg("embed"), py::arg("cos_table"), py::arg("sin_table"), py::arg("rows"), py::arg("features"));
 }

@@ -391,6 +391,18 @@ at::Tensor DecoderStack::forward_ids(const at::Tensor& ids, const at::Tensor& po
                  gather_rows(sin_table, pos, "positions"), rows, features);
 }
 
+at::Tensor DecoderStack::forward_id_lists(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+                                          const TokenEmbedding& embed, const at::Tensor& cos_table,
+                                          const at::Tensor& sin_table, const DecodeRows& rows,
+                                          const std::vector<int64_t>& features) const {
+  auto as_tensor = [](const std::vector<int64_t>& values) {
+    auto out = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kLong));
+    std::memcpy(out.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
+    return out;
+  };
+  return forward_ids(as_tensor(ids), as_tensor(positions), embed, cos_table, sin_table, rows, features);
+}
+
 at::Tensor DecoderStack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                  const DecodeRows& rows, const std::vector<int64_t>& features) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [T, d] float32");

@@ -96,6 +96,10 @@ struct DecoderStack {
   at::Tensor forward_ids(const at::Tensor& ids, const at::Tensor& positions, const TokenEmbedding& embed,
                          const at::Tensor& cos_table, const at::Tensor& sin_table, const DecodeRows& rows,
                          const std::vector<int64_t>& features) const;
+  // The same from lists (a step's parts are made of them: no tensor made in Python between two forwards)
+  at::Tensor forward_id_lists(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+                              const TokenEmbedding& embed, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                              const DecodeRows& rows, const std::vector<int64_t>& features) const;
 
   // Whether every layer runs in the team, and the layers' stage plans: made on the first forward (and again if
   // this object moved: the plans point into it).
