@@ -156,7 +156,8 @@ class Engine:
             drafter = PredictionDrafter(drafter, prediction)
             if k == 0:  # a method that never drafts still copies the prediction: sized by the planner where the
                 k = None if self.costs is not None else PREDICTION_DRAFT_TOKENS  # curve is known, else fixed
-        seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos, k, self.target.device)
+        seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos, k, self.target.device,
+                       self.target.config.vocab_size)
         seq.stats.verify_costs = self.costs if seq.auto else None
         if (leader is not None and leader in self.reserved and leader.prefilling and leader.tokens == seq.tokens
                 and isinstance(cache, KVCache)):  # a transformers cache is not copied: it prefills on its own

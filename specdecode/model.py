@@ -154,7 +154,8 @@ class Part:
         else:
             self.id_list = self.position_list = None
             self._tokens, self._positions, self.device, self.count = tokens, positions, tokens.device, tokens.numel()
-        self.cache, self.attn_mask, self.logits_from, self.decode, self.rows = cache, attn_mask, logits_from, decode, rows
+        self.cache, self.attn_mask, self.logits_from = cache, attn_mask, logits_from
+        self.decode, self.rows = decode, rows
         # Greedy verification reads only each row's argmax of its logits: asked for, the LM head finds it as it
         # writes them (forward_parts sets row_argmax [t - logits_from], where the head can and no row holds a NaN)
         self.wants_argmax = False
@@ -402,8 +403,8 @@ class Transformer(nn.Module):
         self._rotary_table: RotaryTable | None = None  # _rotary's, on the CPU
         self._native: tuple[tuple, object | None] = ((), None)  # (the linear modules it was built from, the stack)
         self._native_edits = -1  # module_edits.count when the linear modules were last compared
-        self._native_embed: tuple[torch.Tensor, object | None] | None = None  # (a float embedding's weight, its
-        # native lookup), for _native_embedding
+        self._native_embed: tuple[torch.Tensor, object | None, int] | None = None  # (a float embedding's weight,
+        # its native lookup, the weight's storage), for _native_embedding
         self.graphs: GraphedForwards | None = None  # a lone sequence's decode forwards as CUDA graphs (cuda_graphs.py)
 
     def use_graphs(self, on: bool = True, capture: bool = True, cache_len: int | None = None) -> None:
@@ -584,12 +585,13 @@ class Transformer(nn.Module):
             return None
         weight = embed.weight
         made = self._native_embed
-        if made is not None and made[0] is weight:
+        if made is not None and made[0] is weight and made[2] == weight.data_ptr():  # .to() swaps a weight's data
             return made[1]
         usable = (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
                   and embed.padding_idx is None and embed.max_norm is None)
-        self._native_embed = (weight, cpu_kernels().TokenEmbedding(1, [weight.detach()], []) if usable else None)
-        return self._native_embed[1]
+        looked_up = cpu_kernels().TokenEmbedding(1, [weight.detach()], []) if usable else None
+        self._native_embed = (weight, looked_up, weight.data_ptr())
+        return looked_up
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, 1, T, head_dim] of the rotary angles at `positions` [B, T]. On the CPU, rows of tables

@@ -22,6 +22,7 @@ import torch
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.prediction import PredictionDrafter
+from specdecode.errors import SpecdecodeError
 from specdecode.kv_cache import KVCache
 from specdecode.masks import tree_row_slots
 from specdecode.model import Part, RowSlots, chain_part
@@ -49,8 +50,9 @@ class Step:
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter, cache: KVCache,
                  max_len: int, eos_token_ids: tuple[int, ...], num_draft_tokens: int | None,
-                 device: torch.device) -> None:
-        """`num_draft_tokens` None = automatic (the planner cuts each draft)."""
+                 device: torch.device, vocab_size: int | None = None) -> None:
+        """`num_draft_tokens` None = automatic (the planner cuts each draft). `vocab_size`: the target's, which a
+        drafter's token must be below (None: not checked)."""
         self.tokens = list(prompt_ids)
         self.params = params
         self.drafter = drafter
@@ -59,6 +61,7 @@ class Sequence:
         self.max_len = max_len
         self.num_draft_tokens = num_draft_tokens
         self.device = device
+        self.vocab_size = vocab_size
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.generator = None if params.greedy else make_generator(params.seed, device)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -196,7 +199,11 @@ class Sequence:
         parents = draft.parent_list
         self._chain, self._depths = draft.is_chain, draft.depth_list()
         start = self.cache.length
-        ids = [self.tokens[-1], *map(operator.index, draft.token_list)]  # a drafter's non-id fails here, alone
+        ids = [self.tokens[-1], *map(operator.index, draft.token_list)]
+        # A drafter's token that is not an id of the target fails this request here, not the whole batch's forward
+        if draft.token_list and (min(ids) < 0 or (self.vocab_size is not None and max(ids) >= self.vocab_size)):
+            raise SpecdecodeError(f"a drafter proposed a token outside the vocabulary [0, {self.vocab_size}): "
+                                  f"{ids[1:]}")
         if self._chain:
             part = chain_part(ids, self.cache, device=device)
         else:

@@ -198,6 +198,36 @@ def test_a_native_forward_looks_up_its_token_ids_and_positions_as_python_does(mo
 
 
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+def test_parts_made_of_lists_give_the_bits_of_parts_made_of_tensors():
+    """A step's parts carry their ids and positions as lists, which the native layers take as they are
+    (DecoderStack.forward_id_lists): a chain, a tree's nodes and a two-part batch give the same bits as the same
+    parts made of tensors (the tensors' path is the one checked against the Python loop above)."""
+    from specdecode.masks import tree_row_slots
+    from specdecode.model import Part, RowSlots, chain_part
+
+    model = quantize_(tiny_native("qwen2", seed=9, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                                  num_key_value_heads=2), "q4_k")
+
+    def forwards(as_list: bool) -> list[torch.Tensor]:
+        make = (lambda ids: ids) if as_list else (lambda ids: torch.tensor(ids))
+        caches = [model.new_cache(1, 32) for _ in range(2)]
+        out = []
+        with torch.inference_mode():
+            for cache in caches:
+                model.forward_parts([chain_part(make([7, 3, 9, 1]), cache, 3)])
+                cache.truncate(4)
+            # a chain of three; then a tree of two siblings under the root, at depth 1, beside a chain of two
+            chain = chain_part(make([4, 5, 6]), caches[0])
+            tree = Part(make([1, 8, 2]), make([4, 5, 5]), caches[1], None, rows=RowSlots(*tree_row_slots(4, [-1, -1])))
+            for part_list in ([chain], [tree, chain_part(make([2, 3]), caches[0], start=4)]):
+                for logits, hidden in model.forward_parts(part_list):
+                    out += [logits, hidden]
+        return out
+
+    assert all(torch.equal(a, b) for a, b in zip(forwards(True), forwards(False), strict=True))
+
+
+@pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_linears_run_together_equal_each_alone(rows):
     """q, k, v (and gate, up) share one parallel region and one quantized input, whatever their block formats:

@@ -228,17 +228,22 @@ def test_draft_model_forwards_are_batched_across_requests_and_draft_the_same(tar
 
 
 class Malformed(NgramDrafter):
-    """A drafter whose draft holds a token that is not a token id: its shape passes `Draft.check`."""
+    """A drafter whose draft holds a token that is not a token id (`bad`): its shape passes `Draft.check`."""
+
+    def __init__(self, bad=None) -> None:
+        super().__init__()
+        self.bad = bad
 
     def fork(self) -> NgramDrafter:
-        return Malformed()
+        return Malformed(self.bad)
 
     def propose(self, ctx, max_tokens):
-        return Draft([5, None], [-1, 0], None, [0.9, 0.8])
+        return Draft([5, self.bad], [-1, 0], None, [0.9, 0.8])
 
 
-def test_a_malformed_draft_fails_its_own_request_only(target):
-    engine = Engine(target, cycle(Malformed, NgramDrafter), 4)
+@pytest.mark.parametrize("bad", [None, -1, 64, 2**70])  # not an int; outside the vocabulary [0, 64); past int64
+def test_a_malformed_draft_fails_its_own_request_only(target, bad):
+    engine = Engine(target, cycle(lambda: Malformed(bad), NgramDrafter), 4)
     params = SamplingParams(max_new_tokens=12)
     bad, good = engine.add([1, 2, 3], params), engine.add([4, 5, 6, 4, 5], params)
     failed, tokens = [], []

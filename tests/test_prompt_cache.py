@@ -217,8 +217,14 @@ def test_a_draft_model_keeps_its_answer_and_a_next_turn_reads_it_past_its_window
 
     turn = PROMPT + answer + [7, 8, 9]
     assert draft.fork().behind(turn + [5]) == len(turn) - n + 1  # the rest of the prompt, and the root
-    assert run(engine, turn, params) == run(Engine(target, NoDrafter()), turn, params)
-    assert engine.last.drafter.skipped == 0  # it read the whole turn
+    fed = []  # rows of each draft forward
+    plain = draft.model.forward_parts
+    draft.model.forward_parts = lambda parts, *a, **k: fed.append(sum(p.count for p in parts)) or plain(parts, *a, **k)
+    try:
+        assert run(engine, turn, params) == run(Engine(target, NoDrafter()), turn, params)
+    finally:
+        del draft.model.forward_parts
+    assert fed[0] == len(turn) - n and engine.last.drafter.skipped == 0  # the rest of the turn, read whole
     unkept = drafter(width=width, window=16)  # without the kept turn: the window's head and newest tokens
     assert unkept.behind(turn + [5]) == 16 + 1
 

@@ -128,9 +128,9 @@ class DraftModelDrafter(GrowsTrees):
         self._ensure_capacity(len(ctx.tokens) + self.max_depth * self.expand + 1)
         pending = ctx.tokens[self.cache.length + self.skipped :]  # [>= 1] tokens not yet in the draft cache
         self.catching_up = True
+        self.context = ctx.tokens  # what its cache holds a prefix of (a wrapper may hand it a new list each step)
         if self.cache.length == 0 and len(pending) > 1:
-            self.context = ctx.tokens
-            prompt, self.skipped = self._windowed(pending[:-1])
+            prompt, self.skipped, _ = self._windowed(pending[:-1])
             # What an earlier prompt shares with this one is copied (a system prompt, a chat's earlier turns).
             reused = self.prompts.reuse(self.cache, prompt, len(prompt)) if self.prompts is not None else 0
             if reused < len(prompt):
@@ -158,27 +158,27 @@ class DraftModelDrafter(GrowsTrees):
         """Tokens its next draft first feeds: the prompt (as far as its window reads it, less what it copies), or
         steps it sat out."""
         if self.cache is None or self.cache.length == 0:
-            prompt, _ = self._windowed(tokens[:-1])
-            copied = self.prompts.shared(prompt, len(prompt)) if self.prompts is not None else 0
+            prompt, _, copied = self._windowed(tokens[:-1])
             return len(prompt) - copied + 1  # and the root
         return len(tokens) - self.cache.length - self.skipped
 
-    def _windowed(self, prompt: list[int]) -> tuple[list[int], int]:
-        """(the prompt tokens its cache will hold, how many are left out). All of them, or with a `window` a head
+    def _windowed(self, prompt: list[int]) -> tuple[list[int], int, int]:
+        """(the prompt tokens its cache will hold, how many are left out, how many of those it holds its prompt
+        cache has: copied, not computed). All of them, or with a `window` a head
         and the newest `window - SINK_TOKENS`. The head is the first SINK_TOKENS (small models lean their attention
         on the first positions) or, where longer, the prefix its prompt cache holds (copied, not computed: a system
         prompt, a chat's earlier turns), up to KEPT_HEAD_MAX. Positions follow the cache, so the window's tokens
         keep their distances to each other. Reading a long prompt costs a draft model about a third of the
         target's prefill, which a short answer never earns back (BENCHMARKS.md, "A window on the draft's
         prompt")."""
+        kept = self.prompts.shared(prompt, len(prompt)) if self.prompts is not None else 0
         if self.window is None:
-            return prompt, 0
-        kept = self.prompts.shared(prompt, KEPT_HEAD_MAX) if self.prompts is not None else 0
-        head = max(SINK_TOKENS, kept)
+            return prompt, 0, kept
+        head = max(SINK_TOKENS, min(kept, KEPT_HEAD_MAX))
         skipped = len(prompt) - head - (self.window - SINK_TOKENS)
         if skipped <= 0:
-            return prompt, 0
-        return prompt[:head] + prompt[head + skipped :], skipped
+            return prompt, 0, kept
+        return prompt[:head] + prompt[head + skipped :], skipped, min(kept, head)
 
     def finished(self, answer: list[int]) -> None:
         """Its cache holds the prompt and the answer as far as it fed them: kept, so that a chat's next turn, which

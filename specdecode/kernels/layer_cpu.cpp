@@ -357,9 +357,10 @@ at::Tensor DecoderLayer::forward_in(Team& team, int64_t stage, const at::Tensor&
 namespace {
 // Rows idx [T] of a float32 table [P, d] (a copy, as index_select's), each index checked against P.
 at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& idx, const char* what) {
-  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous(), what,
-              ": a contiguous float32 table [P, d]");
-  TORCH_CHECK(idx.dim() == 1 && idx.scalar_type() == at::kLong && idx.is_contiguous(), what, ": int64 indices [T]");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous() && table.is_cpu(), what,
+              ": a contiguous float32 table [P, d] on the CPU");
+  TORCH_CHECK(idx.dim() == 1 && idx.scalar_type() == at::kLong && idx.is_contiguous() && idx.is_cpu(), what,
+              ": int64 indices [T] on the CPU");
   const int64_t n = idx.size(0), rows = table.size(0), d = table.size(1);
   const int64_t* at_row = idx.data_ptr<int64_t>();
   auto out = at::empty({n, d}, table.options());
@@ -374,8 +375,10 @@ at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& idx, const cha
 }  // namespace
 
 at::Tensor TokenEmbedding::rows(const at::Tensor& ids) const {
+  TORCH_CHECK((kind == kFloat && tensors.size() == 1) || (kind == kBlocks && tensors.size() == 6 && ints.size() == 5),
+              "TokenEmbedding: kind 0 takes 6 tensors and 5 integers, kind 1 one tensor (got kind ", kind, ")");
+  TORCH_CHECK(ids.is_cpu(), "token ids must be on the CPU");
   if (kind == kFloat) return gather_rows(tensors[0], ids, "token ids");  // what torch's embedding lookup copies
-  TORCH_CHECK(kind == kBlocks && tensors.size() == 6 && ints.size() == 5, "TokenEmbedding: unknown kind ", kind);
   return embedding_rows(ids, tensors[0], tensors[1], tensors[2], tensors[3], tensors[4], tensors[5], ints[0], ints[1],
                         ints[2], ints[3] != 0, ints[4] != 0);
 }
@@ -383,11 +386,10 @@ at::Tensor TokenEmbedding::rows(const at::Tensor& ids) const {
 at::Tensor DecoderStack::forward_ids(const at::Tensor& ids, const at::Tensor& positions, const TokenEmbedding& embed,
                                      const at::Tensor& cos_table, const at::Tensor& sin_table, const DecodeRows& rows,
                                      const std::vector<int64_t>& features) const {
-  TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0) &&
-                  ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
-              "ids and positions must be int64 [T]");
-  const auto pos = positions.contiguous();
-  return forward(embed.rows(ids.contiguous()), gather_rows(cos_table, pos, "positions"),
+  TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0),
+              "ids and positions must be [T] each");
+  const auto pos = positions.to(at::kLong).contiguous();  // no copy where they are int64 already
+  return forward(embed.rows(ids.to(at::kLong).contiguous()), gather_rows(cos_table, pos, "positions"),
                  gather_rows(sin_table, pos, "positions"), rows, features);
 }
 
