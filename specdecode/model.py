@@ -163,15 +163,16 @@ class Part:
 
     @property
     def tokens(self) -> torch.Tensor:  # [t]
-        if self._tokens is None:
-            self._tokens, self._positions = ids_and_positions(self.id_list, self.position_list, self.device)
-        return self._tokens
+        return self._tensors()[0]
 
     @property
     def positions(self) -> torch.Tensor:  # [t] rotary positions
-        if self._positions is None:
+        return self._tensors()[1]
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tokens is None:  # made from the lists, once
             self._tokens, self._positions = ids_and_positions(self.id_list, self.position_list, self.device)
-        return self._positions
+        return self._tokens, self._positions
 
     def mask(self) -> torch.Tensor:
         """The attention mask [1, 1, t, S]: as given, or built from `rows`. The CPU's decode rows attend by their

@@ -28,7 +28,7 @@ def greedy_top1(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, vocab] logits -> (each row's argmax [rows, 1], its softmax probability [rows, 1]): a greedy chain
     drafter's child and confidence, without a softmax over the whole row (on the native kernel for CPU float32)."""
     logits = float32_rows(logits)
-    if logits.dim() == 2 and logits.is_cpu and (kernels := cpu_kernels()) is not None:
+    if (kernels := topk_kernels(logits, 1)) is not None:
         index, prob, answered = kernels.top1_probs(logits)
         if answered:
             return index[:, None], prob[:, None]
@@ -43,7 +43,7 @@ def greedy_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     logits = float32_rows(logits)
     if k == 1:
         return greedy_top1(logits)
-    if logits.dim() == 2 and logits.is_cpu and k <= logits.shape[-1] and (kernels := cpu_kernels()) is not None:
+    if (kernels := topk_kernels(logits, k)) is not None:
         index, prob, answered = kernels.topk_probs(logits, k)
         if answered:  # no tensor operation to check: each costs ~10 us on the caches a forward flushed
             return index, prob
@@ -56,12 +56,18 @@ def greedy_topk_lists(logits: torch.Tensor, k: int) -> tuple[list[list[int]], li
     tensors made and read back between two forwards), else greedy_topk's tensors turned into lists (a row the
     kernel cannot rank, which torch answers)."""
     logits = float32_rows(logits)
-    if logits.dim() == 2 and logits.is_cpu and k <= logits.shape[-1] and (kernels := cpu_kernels()) is not None:
+    if (kernels := topk_kernels(logits, k)) is not None:
         index, prob, answered = kernels.topk_lists(logits, k)
         if answered:
             return index, prob
     index, prob = greedy_topk(logits, k)
     return index.tolist(), prob.tolist()
+
+
+def topk_kernels(logits: torch.Tensor, k: int):
+    """The native kernels where their top-k ranks these float32 rows [rows, vocab] (on the CPU, k at most the
+    vocabulary), else None."""
+    return cpu_kernels() if logits.dim() == 2 and logits.is_cpu and k <= logits.shape[-1] else None
 
 
 def float32_rows(logits: torch.Tensor) -> torch.Tensor:

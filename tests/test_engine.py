@@ -14,6 +14,7 @@ from specdecode.drafters.suffix_pool import SuffixPool
 from specdecode.engine import Engine
 from specdecode.masks import chain_mask
 from specdecode.planner import Planner, best_count
+from specdecode.prompt_cache import PromptCache
 from tiny import tiny_native
 from toy import (BigramModel, ScriptedDrafter, ScriptedTreeDrafter, assert_exact_distribution, exact_sequence_probs,
                  l1_bound, random_chain)
@@ -210,13 +211,14 @@ def test_sampling_with_seed_is_reproducible(target):
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree", "ngram-tree", "subset-head-tree", "chain-auto", "tree-auto",
-                                   "hybrid-leaves-auto"])
+                                   "hybrid-leaves-auto", "windowed-kept-tree"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_new_tokens=3),
                                     SamplingParams(temperature=0.6, top_k=3, max_new_tokens=3)])
 def test_whole_loop_output_distribution_is_the_targets(params, shape):
     """Real engine, EOS and the token budget landing inside drafts; chi-by-L1 bound. Drafters: a draft model's
     chain, its tree (siblings drawn without replacement), n-gram trees (point-mass siblings), and `hybrid` over a
-    tree whose siblings stay leaves (the default shape)."""
+    tree whose siblings stay leaves (the default shape), and a draft that reads a window of a longer prompt and
+    keeps what it read and answered across requests (its own prompt cache)."""
     vocab, eos, trials = 4, 3, 6000
     target_chain, draft_chain = random_chain(vocab, 10), random_chain(vocab, 11, sharpness=2.0)
     transformed = torch.stack([torch.as_tensor(p) for p in
@@ -231,6 +233,9 @@ def test_whole_loop_output_distribution_is_the_targets(params, shape):
         drafter = DraftModelDrafter(draft, vocab_size=vocab, width=2, head_tokens=torch.tensor([0, 2]))
     elif shape == "hybrid-leaves-auto":
         drafter = HybridDrafter(DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=2, expand=1))
+    elif shape == "windowed-kept-tree":
+        drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=2, window=6,
+                                    prompts=PromptCache(1))
     else:
         drafter = DraftModelDrafter(BigramModel(draft_chain), vocab_size=vocab, width=1 if "chain" in shape else 2)
     # "-auto": the size is chosen per step from a steep cost curve, so drafts get cut: what is cut must never
@@ -238,9 +243,10 @@ def test_whole_loop_output_distribution_is_the_targets(params, shape):
     auto = shape.endswith("-auto")
     engine = Engine(target, drafter, num_draft_tokens=None if auto else 4,
                     costs=CostCurve((1.0, 1.5, 2.0)) if auto else None)
+    prompt = [1, 2, 1, 2, 1, 2, 0] if shape == "windowed-kept-tree" else [0]  # the bigram target reads its last
     counts: dict[tuple, int] = {}
     for i in range(trials):
-        out = tuple(run(engine, [0], SamplingParams(**{**params.__dict__, "seed": i})))
+        out = tuple(run(engine, prompt, SamplingParams(**{**params.__dict__, "seed": i})))
         counts[out] = counts.get(out, 0) + 1
     assert_exact_distribution(counts, exact)
 
