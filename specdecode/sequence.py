@@ -234,7 +234,7 @@ class Sequence:
             self.cache.truncate(start + 1 + len(accepted))  # a prefix of the draft sits in place already
         else:
             self.cache.truncate(start + 1)
-            self.cache.keep(torch.tensor(accepted, device=device) + start + 1)
+            self.cache.keep([start + 1 + node for node in accepted])
         if self.drafter.reads_hidden:  # a gather, ~0.1 ms on the caches a forward flushed: only for a head
             rows = hidden[torch.tensor([0] + [node + 1 for node in accepted], device=hidden.device)]
             if self.keep_hidden:

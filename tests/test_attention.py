@@ -348,3 +348,27 @@ def test_a_forward_in_one_team_region_gives_the_bits_of_a_region_per_layer_group
     monkeypatch.setattr(Transformer, "_native_decode", lambda self, segments: None)
     python, _ = switch_both_ways("team", run)
     assert all(torch.equal(a, b) for a, b in zip(python, team, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kept", [[5, 7], [4, 6, 9, 11, 12, 13, 15, 17, 18, 20, 22]])
+def test_cache_keep_moves_the_slots_torch_moves(monkeypatch, dtype, kept):
+    """The native slot moves (one call, lists in) leave the cache torch's gather and scatter leaves: every layer,
+    head and slot, the bits untouched past the new length too."""
+    from specdecode import kv_cache as kv_module
+    from specdecode.kv_cache import KVCache
+
+    def filled() -> KVCache:
+        cache = KVCache(3, 1, 2, 32, 8, dtype)
+        cache.k.copy_(torch.randn(cache.k.shape))
+        cache.v.copy_(torch.randn(cache.v.shape))
+        cache.truncate(4)
+        return cache
+
+    native, plain = filled(), filled()
+    plain.k.copy_(native.k), plain.v.copy_(native.v)
+    native.keep(kept)
+    monkeypatch.setattr(kv_module, "cpu_kernels", lambda: None)
+    plain.keep(torch.tensor(kept))
+    assert native.length == plain.length == 4 + len(kept)
+    assert torch.equal(native.k, plain.k) and torch.equal(native.v, plain.v)

@@ -172,3 +172,24 @@ def test_output_distribution_is_the_targets(auto, in_flight):
             counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     assert len(pool.answers) > 10
     assert_exact_distribution(counts, exact)
+
+
+def test_copiers_sharing_one_ngram_index_draft_what_each_drafts_with_its_own():
+    """hybrid's n-gram (2- and 3-grams) and suffix (its own 1- and 2-grams) copiers read one index of the request:
+    step after step, each proposes what it proposes with an index of its own."""
+    from specdecode.drafters.ngram import NgramDrafter, share_index
+
+    rng = np.random.default_rng(3)
+    tokens = [int(t) for t in rng.integers(0, 6, 40)]
+    tokens += tokens[5:20] + [int(t) for t in rng.integers(0, 6, 30)]
+    pool = SuffixPool()
+    pool.add(tokens[10:40])
+    shared = [NgramDrafter(max_ngram=3, min_ngram=2, branches=4), SuffixDrafter(pool)]
+    alone = [NgramDrafter(max_ngram=3, min_ngram=2, branches=4), SuffixDrafter(pool)]
+    share_index(shared)
+    assert shared[0].index is shared[1].index and alone[0].index is not alone[1].index
+    for end in range(3, len(tokens)):
+        ctx = DraftContext(tokens[:end], SamplingParams(), None)
+        for mine, own in zip(shared, alone):
+            a, b = mine.propose(ctx, 8), own.propose(ctx, 8)
+            assert (a.token_list, a.parent_list, a.scores) == (b.token_list, b.parent_list, b.scores)

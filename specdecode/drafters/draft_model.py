@@ -202,7 +202,7 @@ class DraftModelDrafter(GrowsTrees):
             slots.append(slot)
         self.cache.truncate(self.base_length)
         if slots != list(range(self.base_length, self.base_length + len(slots))):
-            self.cache.keep(torch.tensor(slots, device=self.cache.k.device))
+            self.cache.keep(slots)
         else:
             self.cache.truncate(self.base_length + len(slots))
 

@@ -42,7 +42,7 @@ import torch
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
-from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.ngram import NgramDrafter, share_index
 from specdecode.drafters.wrapping import Wrapping
 from specdecode.model import Part
 from specdecode.planner import FIXED, Record
@@ -62,6 +62,7 @@ class HybridDrafter(Wrapping):
         self.ngram = NgramDrafter(max_ngram=max(max_ngram, MIN_NGRAM), min_ngram=MIN_NGRAM,
                                   branches=NGRAM_BRANCHES if copy_trees else 1)
         self.copiers: tuple[Drafter, ...] = (self.ngram, *others)
+        self._target_topk = max(d.target_topk for d in (self.draft, *self.copiers))
         self.reset()
 
     @property
@@ -77,8 +78,8 @@ class HybridDrafter(Wrapping):
         return self.draft.drafting_s if self.used is self.draft else 0.0
 
     @property
-    def target_topk(self) -> int:
-        return max(d.target_topk for d in (self.draft, *self.copiers))
+    def target_topk(self) -> int:  # read every step: asked of its drafters once
+        return self._target_topk
 
     def saw_target(self, tokens: torch.Tensor, top: torch.Tensor, proposed: list[int] | None = None) -> None:
         for drafter in (self.draft, *self.copiers):  # recycling learns from every step, whoever proposed
@@ -100,6 +101,7 @@ class HybridDrafter(Wrapping):
         self.draft.reset()
         for copier in self.copiers:
             copier.reset()
+        share_index(self.copiers)
         self.used: Drafter | None = None
         self.copied: Draft | None = None  # the best copier's draft this step
         self.trust = {copier: Trust() for copier in self.copiers}

@@ -37,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_rows", &draw_rows, "one token a row of non-negative weights by inverse CDF in index order at u * total; "
         "-1 for a row of zeros");
   m.def("mask_disallowed", &mask_disallowed, "logits -inf where a grammar's token bitmask has no bit (in place)");
+  m.def("move_slots", &move_slots, "KV cache slots from[i] -> to[i] in every layer and head, in order (k, v "
+        "[layers, batch, heads, slots, head_dim], contiguous on the CPU)");
   m.def("embedding_rows", &embedding_rows, "rows `tokens` of a weight in blocks.py's row layout, de-quantized to "
         "float32 as PackedWeight.dequantize computes them");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32, batch-invariant");

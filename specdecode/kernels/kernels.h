@@ -146,6 +146,8 @@ std::tuple<at::Tensor, at::Tensor, bool> topk_probs(const at::Tensor& x, int64_t
 std::tuple<std::vector<std::vector<int64_t>>, std::vector<std::vector<float>>, bool> topk_lists(const at::Tensor& x,
                                                                                                int64_t k);
 void mask_disallowed(at::Tensor& logits, const at::Tensor& bits);
+void move_slots(const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& to,
+                const std::vector<int64_t>& from);
 at::Tensor embedding_rows(const at::Tensor& tokens, const at::Tensor& qs, const at::Tensor& qh,
                           const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
                           const at::Tensor& dmin, int64_t bits, int64_t superblock, int64_t group,
