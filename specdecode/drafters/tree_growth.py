@@ -160,27 +160,34 @@ class GrowsTrees(Drafter):
         token_rows = index_rows if id_list is None else [[id_list[i] for i in row] for row in index_rows]
         trust = self.trust.factor(depth)
         new = []
+        if greedy:  # a child's confidence is its probability; which siblings came before it is read under sampling
+            for r, parent in enumerate(rows):
+                if alive is not None and not alive[r]:
+                    continue
+                base = 1.0 if parent < 0 else nodes[parent].score
+                for token, p in zip(token_rows[r], prob_rows[r]):
+                    if p <= 0.0:
+                        break
+                    nodes.append(Node(token, parent, depth, p, base * min(1.0, p * trust), -1, []))
+                    new.append(len(nodes) - 1)
+            return new
         for r, parent in enumerate(rows):
             if alive is not None and not alive[r]:
                 continue
-            if not greedy:
-                dists.append(probs[r])
+            dists.append(probs[r])
             base = 1.0 if parent < 0 else nodes[parent].score
             drawn: list[int] = []
             drawn_mass, drawn_index = 0.0, set()
             for token, index, p in zip(token_rows[r], index_rows[r], prob_rows[r]):
                 if p <= 0.0:
                     break  # nothing left to draw (top-k/top-p cut the distribution short)
-                if greedy:
-                    confidence = p
-                else:
-                    # Under sampling a node's confidence must not depend on the token drawn for it: keeping a node
-                    # because of its own q(x) would bias which tokens reach the verifier, and the output with it.
-                    # What it may use is the distribution it is drawn from: the largest probability left in q
-                    # after the siblings drawn before it.
-                    left = next(v for v, i in zip(likeliest.values[r].tolist(), likeliest.indices[r].tolist())
-                                if i not in drawn_index)
-                    confidence = min(1.0, left / max(1.0 - drawn_mass, 1e-12))  # rounding: never above its parent
+                # Under sampling a node's confidence must not depend on the token drawn for it: keeping a node
+                # because of its own q(x) would bias which tokens reach the verifier, and the output with it. What
+                # it may use is the distribution it is drawn from: the largest probability left in q after the
+                # siblings drawn before it.
+                left = next(v for v, i in zip(likeliest.values[r].tolist(), likeliest.indices[r].tolist())
+                            if i not in drawn_index)
+                confidence = min(1.0, left / max(1.0 - drawn_mass, 1e-12))  # rounding: never above its parent
                 nodes.append(Node(token, parent, depth, confidence, base * min(1.0, confidence * trust),
                                   len(dists) - 1, list(drawn)))
                 new.append(len(nodes) - 1)
