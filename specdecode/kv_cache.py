@@ -41,7 +41,8 @@ class KVCache:
         cache = cls.__new__(cls)
         cache.k, cache.v, cache.max_len, cache.length = k, v, k.shape[3], 0
         cache.cpu_float32 = on_cpu_in_float32(k)
-        cache.cpu_contiguous = k.is_cpu and k.is_contiguous() and v.is_contiguous()
+        cache.cpu_contiguous = (k.is_cpu and v.is_cpu and k.is_contiguous() and v.is_contiguous()
+                                and k.dtype == v.dtype and k.shape == v.shape)
         return cache
 
     def truncate(self, length: int) -> None:

@@ -217,7 +217,7 @@ class Sequence:
 
     def verified(self, logits: torch.Tensor, hidden: torch.Tensor) -> Step:
         """The target's logits [n + 1, vocab] and hidden states [n + 1, d] over verify_part's rows -> the Step."""
-        draft, device, params = self.draft, self.device, self.params
+        draft, params = self.draft, self.params
         start = self.cache.length
         chain = self._chain
         shaped = self.rules.shape(logits, draft.token_list, None if chain else draft.parent_list)

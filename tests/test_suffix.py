@@ -188,8 +188,11 @@ def test_copiers_sharing_one_ngram_index_draft_what_each_drafts_with_its_own():
     alone = [NgramDrafter(max_ngram=3, min_ngram=2, branches=4), SuffixDrafter(pool)]
     share_index(shared)
     assert shared[0].index is shared[1].index and alone[0].index is not alone[1].index
+    drafted = [0, 0]
     for end in range(3, len(tokens)):
         ctx = DraftContext(tokens[:end], SamplingParams(), None)
-        for mine, own in zip(shared, alone):
+        for i, (mine, own) in enumerate(zip(shared, alone)):
             a, b = mine.propose(ctx, 8), own.propose(ctx, 8)
             assert (a.token_list, a.parent_list, a.scores) == (b.token_list, b.parent_list, b.scores)
+            drafted[i] += len(a) > 0
+    assert min(drafted) > 10  # both copied, step after step

@@ -2,7 +2,7 @@
 
 `cpu_kernels()` returns the compiled module (`linear_fp32`, `linear_bf16` from linear_cpu.cpp; `linear_quant` from
 quant_cpu.cpp; `linear_c16`, `repack_c16` from quant_c16_cpu.cpp
-(and `_legacy` from quant_c16_legacy_cpu.cpp); `rms_norm` from norm_cpu.cpp; `decode_attention` from attention_cpu.cpp; `argmax_rows`, `top1_probs`, `topk_probs`, `mask_disallowed` from argmax_cpu.cpp; `nucleus_probs`, `draw_rows` from sample_cpu.cpp; `embedding_rows` from embedding_cpu.cpp;
+(and `_legacy` from quant_c16_legacy_cpu.cpp); `rms_norm` from norm_cpu.cpp; `decode_attention` from attention_cpu.cpp; `argmax_rows`, `top1_probs`, `topk_probs`, `mask_disallowed` from argmax_cpu.cpp; `nucleus_probs`, `draw_rows` from sample_cpu.cpp; `embedding_rows` from embedding_cpu.cpp; `move_slots` from cache_cpu.cpp;
 `DecoderStack`, `DecoderLayer`, `LinearOp`, `DecodeRows`, `TokenEmbedding` from layer_cpu.cpp: a decode forward's
 embedding lookup and layers in one call) or
 None where it cannot run: no AVX2/FMA, no C++ compiler, or a build error. Callers then fall back to PyTorch's own
