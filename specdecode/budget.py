@@ -112,7 +112,9 @@ class InUseCurve:
             return self.curve
         self.clock += 1
         self.last[m] = self.clock
-        times = self.times.setdefault(m, deque(maxlen=self.window))
+        times = self.times.get(m)
+        if times is None:  # not setdefault: its default would be built every forward
+            times = self.times[m] = deque(maxlen=self.window)
         times.append(seconds)
         first = m not in self.medians
         self.fresh[m] = self.fresh.get(m, 0) + 1

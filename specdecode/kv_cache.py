@@ -51,12 +51,11 @@ class KVCache:
             raise ValueError(f"cache length {length} outside [0, {self.max_len}]")
         self.length = length
 
-    def keep(self, indices: list[int] | torch.Tensor) -> None:
+    def keep(self, indices: list[int]) -> None:
         """Compact after a tree step: positions `indices` (ascending, absolute, all >= length) move to
         length, length+1, ... and become valid. A chain that keeps its prefix needs no call."""
         start = self.length
-        at_list = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
-        moves = [(to, at) for to, at in enumerate(at_list, start) if to != at]
+        moves = [(to, at) for to, at in enumerate(indices, start) if to != at]
         if moves and self.cpu_contiguous and (kernels := cpu_kernels()) is not None:
             # one native call: torch's index tensor and two copies per slot cost ~90 us on a step's flushed caches
             kernels.move_slots(self.k, self.v, [to for to, _ in moves], [at for _, at in moves])
@@ -66,11 +65,11 @@ class KVCache:
                 k[:, to].copy_(k[:, at])
                 v[:, to].copy_(v[:, at])
         else:
-            source = torch.as_tensor(at_list, device=self.k.device)
-            dest = torch.arange(start, start + len(at_list), device=self.k.device)
+            source = torch.tensor(indices, device=self.k.device)
+            dest = torch.arange(start, start + len(indices), device=self.k.device)
             self.k[:, :, :, dest] = self.k[:, :, :, source]
             self.v[:, :, :, dest] = self.v[:, :, :, source]
-        self.length = start + len(at_list)
+        self.length = start + len(indices)
 
     def grow(self, max_len: int) -> None:
         """Reallocate larger buffers, keeping the valid prefix (for caches sized lazily, like a drafter's)."""

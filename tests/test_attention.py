@@ -96,7 +96,7 @@ def test_tree_rows_equal_one_token_forwards_of_their_paths(monkeypatch, use_kern
             assert same(tree[0, node + 1], one[0, 0])
         # Keep the path root -> 1 -> 3: its rows move behind the prefix, as a plain decode would have written them.
         cache.truncate(4)
-        cache.keep(torch.tensor([1, 3]) + 4)
+        cache.keep([5, 7])
         assert cache.length == 6
         ref = model.new_cache(1, 32)
         model(torch.tensor([prefix]), torch.arange(3)[None], ref, chain_mask(0, 3))
@@ -379,6 +379,6 @@ def test_cache_keep_moves_the_slots_torch_moves(monkeypatch, dtype, kept):
     native.keep(kept)
     assert len(calls) == 1
     monkeypatch.setattr(kv_module, "cpu_kernels", lambda: None)
-    plain.keep(torch.tensor(kept))
+    plain.keep(kept)
     assert native.length == plain.length == 4 + len(kept)
     assert torch.equal(native.k, plain.k) and torch.equal(native.v, plain.v)

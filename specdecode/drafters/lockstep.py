@@ -24,13 +24,11 @@ Drafting = Generator[Part, torch.Tensor, "Draft"]
 
 
 def run_alone(drafting: Drafting, model: torch.nn.Module | None, drafter: Drafter) -> Draft:
-    """Drive one drafter's generator to its Draft, one forward per part."""
-    try:
-        part = next(drafting)
-        while True:
-            part = drafting.send(_forward(model, [part], [drafter])[0])
-    except StopIteration as done:
-        return done.value
+    """Drive one drafter's generator to its Draft, one forward per part (its failure raised here)."""
+    result = _run_one(drafting, model, drafter)
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def run_batched(draftings: list[tuple[Drafting, torch.nn.Module, Drafter]]) -> list[Draft | Exception]:
