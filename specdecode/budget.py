@@ -45,6 +45,16 @@ class CostCurve:
     def cost(self, m: int) -> float:
         if m <= len(self.seconds):
             return self.seconds[max(m, 1) - 1]
+        return self._beyond(m)
+
+    def span(self, first: int, count: int) -> tuple[float, ...] | list[float]:
+        """cost(m) for m in [first, first + count): a slice where they were measured (the planner's loops)."""
+        if first >= 1 and first + count - 1 <= len(self.seconds):
+            return self.seconds[first - 1 : first - 1 + count]
+        return [self.cost(m) for m in range(first, first + count)]
+
+    def _beyond(self, m: int) -> float:
+        """The cost of a forward larger than every size measured one by one."""
         points = [(len(self.seconds), self.seconds[-1]), *self.tail]
         if len(points) == 1 and len(self.seconds) > 1:
             points.insert(0, (len(self.seconds) - 1, self.seconds[-2]))

@@ -40,6 +40,7 @@ from specdecode.model import Part, Transformer, prompt_as_decode_rows, rows_exac
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.planner import MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, Planner
 from specdecode.prompt_cache import PromptCache
+from specdecode.spare_cache import SpareCache
 from specdecode.sequence import Sequence, Step
 
 __all__ = ["Engine", "Sequence", "Step", "StepInfo", "check_prompt", "kv_budget_tokens"]
@@ -85,6 +86,11 @@ class Engine:
         # CUDA runs ahead of the clock: its curve stays as measured (asked once: a module's device is a lookup chain)
         self.times_forwards = target.device.type == "cpu"
         self.prompt_cache = prompt_cache if rows_exact(target) else None  # copied rows are the rows it would compute
+        self.spare = SpareCache()  # the last lone request's cache, for the next
+        # Requests whose prompt is in their cache and not yet in the prompt cache: copied when another request
+        # arrives (it may share it) or when they leave. A lone request's prompt is then copied once, with its
+        # answer, not once more after its prefill (a copy of ~6-17 MB for the 1.5B target).
+        self.unstored: list[Sequence] = []
         # A drafter's own cache grows with the context too: the KV budget counts it, in target tokens.
         self.kv_scale = 1.0 + drafter.cache_bytes_per_token / (bytes_per_token(target) or math.inf)
         if graphs_wanted():  # on a GPU a lone request's forwards replay as CUDA graphs: launches cost the most there
@@ -149,7 +155,7 @@ class Engine:
             raise SpecdecodeError("the batch is full: wait for a running request to finish")
         need = self.reservation(len(prompt_ids), params)
         # Slots are reserved in full but allocated as they fill: most answers end long before max_tokens.
-        cache = self.target.new_cache(1, min(need, max(len(prompt_ids) + MAX_AUTO_NODES + 1, 256)))
+        cache = self.spare.take(self.target, min(need, max(len(prompt_ids) + MAX_AUTO_NODES + 1, 256)))
         drafter = self.drafter.fork()
         k = self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
         if prediction is not None:
@@ -163,6 +169,7 @@ class Engine:
                 and isinstance(cache, KVCache)):  # a transformers cache is not copied: it prefills on its own
             seq.leader = leader
         elif self._reuses_prompt(seq):  # at least the last prompt token is computed: its logits are the first token's
+            self._store_prompts()
             seq.fed = seq.stats.cached_prompt_tokens = self.prompt_cache.reuse(cache, prompt_ids, len(prompt_ids) - 1)
         self.running.append(seq)
         self.reserved[seq] = need
@@ -170,7 +177,7 @@ class Engine:
         return seq
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a request (finished, cancelled or failed); its cache is freed with it."""
+        """Drop a request (finished, cancelled or failed); its cache is freed with it, or lent to the next one."""
         if seq in self.reserved:
             self.running.remove(seq)
             del self.reserved[seq]
@@ -178,10 +185,18 @@ class Engine:
             for other in self.running:
                 if other.leader is seq:  # its prefill will never come: it prefills on its own
                     other.leader = None
+            prompt_unstored = seq in self.unstored
+            if prompt_unstored:
+                self.unstored.remove(seq)
+            kept = False
             if seq.finish_reason is not None:
                 seq.drafter.finished(seq.tokens[seq.stats.prompt_tokens :])
                 if self._reuses_prompt(seq):  # with its answer: a chat's next turn starts with both
-                    self.prompt_cache.store(seq.tokens[: min(seq.cache.length, len(seq.tokens))], seq.cache)
+                    kept = self.prompt_cache.store(seq.tokens[: min(seq.cache.length, len(seq.tokens))], seq.cache)
+            if prompt_unstored and not kept:  # cancelled, failed, or its answer too long to keep: its prompt
+                self.prompt_cache.store(seq.tokens[: seq.stats.prompt_tokens], seq.cache)
+            if not self.running:  # lent to the next request; in a batch kept for none (the budget counts caches)
+                self.spare.give(self.target, seq.cache)
 
     def stop(self, seq: Sequence, dropped: int) -> None:
         """A stop string one layer up ended `seq` inside its last step: its last `dropped` tokens are not output."""
@@ -260,8 +275,8 @@ class Engine:
                     step = seq.prefilled(part.count, logits, hidden)
                     if step is not None:
                         results += self._copy_prefill(seq, logits[-1:])
-                        if self._reuses_prompt(seq):
-                            self.prompt_cache.store(seq.tokens[: seq.stats.prompt_tokens], seq.cache)
+                        if self._reuses_prompt(seq):  # kept when a request that may share it arrives, or as
+                            self.unstored.append(seq)  # it leaves (with its answer): a copy only where it can serve
                 else:
                     step = seq.verified(logits, hidden)
                     self.planner.learn(seq, step)
@@ -272,6 +287,12 @@ class Engine:
                 results.append((seq, step))
         self.last_step = StepInfo(len(owners), rows, prefill_rows, [len(s.draft) for s in decoding])
         return self._finish(results)
+
+    def _store_prompts(self) -> None:
+        """Keep the prompts of the running requests that were not kept yet (before a new request looks for its)."""
+        for seq in self.unstored:
+            self.prompt_cache.store(seq.tokens[: seq.stats.prompt_tokens], seq.cache)
+        self.unstored.clear()
 
     def _reuses_prompt(self, seq: Sequence) -> bool:
         """Can `seq`'s prompt rows come from (and go to) the prompt cache? Not when it needs every prompt row

@@ -75,8 +75,11 @@ class KVCache:
         """Reallocate larger buffers, keeping the valid prefix (for caches sized lazily, like a drafter's)."""
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:3], max_len, old.shape[4])
-            new[:, :, :, : self.length] = old[:, :, :, : self.length]
+            # the same kind of tensor as before: grown inside a step (inference mode), a cache made outside it stays
+            # writable outside it, where the next request that takes it (spare_cache.py) copies a prompt in
+            with torch.inference_mode(old.is_inference()):
+                new = old.new_zeros(*old.shape[:3], max_len, old.shape[4])
+                new[:, :, :, : self.length] = old[:, :, :, : self.length]
             setattr(self, name, new)
         self.max_len = max_len
 

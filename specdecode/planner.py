@@ -79,10 +79,13 @@ def best_count(costs: CostCurve, scores: list[float], draft_seconds: float = 0.0
     request's root each), and `sunk_rows` of prompt chunks, paid for whatever is drafted: the nodes then
     cost what they add at that size, C(all + n) - C(all), on top of C(rows)."""
     every = rows + sunk_rows
-    best, best_rate, expected = 0, tokens / (draft_seconds + costs.cost(rows)), tokens
-    for n, score in enumerate(scores, start=1):
+    plain = draft_seconds + costs.cost(rows)
+    best, best_rate, expected = 0, tokens / plain, tokens
+    before = costs.cost(every)
+    # the prices of every size at once: the loop runs ~900 times a step's worth of nodes, once per draft forward
+    for n, (score, price) in enumerate(zip(scores, costs.span(every + 1, len(scores))), start=1):
         expected += score
-        rate = expected / (draft_seconds + costs.cost(rows) + costs.cost(every + n) - costs.cost(every))
+        rate = expected / (plain + price - before)
         if rate > best_rate:
             best, best_rate = n, rate
     return best

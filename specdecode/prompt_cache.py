@@ -95,25 +95,26 @@ class PromptCache:
                 best, length = prompt, shared
         return best, length
 
-    def store(self, tokens: list[int], cache: KVCache) -> None:
+    def store(self, tokens: list[int], cache: KVCache) -> bool:
         """Keep the keys and values of `tokens` (a prompt, or a prompt and its answer), positions [0, len(tokens)) of
-        `cache`."""
+        `cache` -> whether they are kept (not: too large, or the cache is off)."""
         n = len(tokens)
         if n == 0 or self.max_bytes == 0:
-            return
+            return False
         ids = np.asarray(tokens, dtype=np.int64)
         for prompt in self.prompts:
             if len(prompt.tokens) >= n and common_prefix(prompt.tokens, ids) == n:
                 self._used(prompt)  # already kept, within a longer one
-                return
+                return True
         k, v = cache.k[:, :, :, :n], cache.v[:, :, :, :n]  # views: a prompt too large for the cache is not copied
         if k.nbytes + v.nbytes + ids.nbytes > self.max_bytes:
-            return
+            return False
         entry = _Prompt(ids, k.clone(), v.clone())
         self.prompts = [p for p in self.prompts if common_prefix(p.tokens, ids) < len(p.tokens)]
         self.prompts.append(entry)
         while self.nbytes > self.max_bytes:
             self.prompts.pop(0)
+        return True
 
     def _used(self, prompt: _Prompt) -> None:
         """`prompt` was used now: it leaves last."""

@@ -236,3 +236,47 @@ def test_a_draft_model_whose_rows_are_not_exact_keeps_no_prompts_nor_asks_again_
 
     monkeypatch.setattr(draft_model, "rows_exact", lambda model: pytest.fail("a fork scanned the model again"))
     assert plain.fork().prompts is None
+
+
+def test_a_request_arriving_mid_answer_copies_the_running_requests_prompt(target):
+    """A prompt is copied into the prompt cache when another request arrives (or when its own leaves), not after
+    every prefill: a request added while the first decodes still starts from the first's prompt."""
+    params = SamplingParams(max_new_tokens=12)
+    alone = [run(Engine(target, NoDrafter()), p, params) for p in (PROMPT, LONGER)]
+    engine = Engine(target, NoDrafter(), prompt_cache=PromptCache(4))
+    first = engine.add(PROMPT, params)
+    out = {first: []}
+    while first.prefilling or len(first.tokens) < len(PROMPT) + 3:
+        out[first] += [t for seq, step in engine.step() for t in step.tokens]
+    assert engine.prompt_cache.prompts == []  # not copied yet: no one has asked
+    second = engine.add(LONGER, params)
+    assert second.stats.cached_prompt_tokens == len(PROMPT)
+    out[second] = []
+    while engine.running:
+        for seq, step in engine.step():
+            out[seq] += step.tokens
+    assert [out[first], out[second]] == alone
+
+
+def test_a_cancelled_request_keeps_its_prompt(target):
+    engine = Engine(target, NoDrafter(), prompt_cache=PromptCache(4))
+    seq = engine.add(PROMPT, SamplingParams(max_new_tokens=20))
+    while seq.prefilling:
+        engine.step()
+    engine.step()
+    engine.remove(seq)  # cancelled: no answer to keep, its prompt is
+    assert [p.tokens.tolist() for p in engine.prompt_cache.prompts] == [PROMPT]
+
+
+def test_the_next_request_takes_the_last_ones_cache_and_computes_the_same(target):
+    """A finished request's cache, garbage past its length included, serves the next request: outputs as from a
+    fresh cache, for the target's cache and the draft model's."""
+    params = SamplingParams(max_new_tokens=40)
+    expected = {tuple(p): run(Engine(target, NoDrafter()), p, params) for p in (PROMPT, OTHER)}
+    draft = drafter()
+    engine = Engine(target, draft, num_draft_tokens=3, prompt_cache=PromptCache(4))
+    assert run(engine, PROMPT, params) == expected[tuple(PROMPT)]
+    cache, draft_cache = engine.spare.cache, draft.spare.cache
+    assert cache is engine.last.cache and draft_cache is not None
+    assert run(engine, OTHER, params) == expected[tuple(OTHER)]
+    assert engine.last.cache is cache and engine.last.drafter.spare.cache is draft_cache

@@ -38,6 +38,7 @@ from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees,
 from specdecode.kv_cache import bytes_per_token
 from specdecode.model import Part, chain_part, prompt_as_decode_rows, rows_exact
 from specdecode.prompt_cache import DRAFT_PROMPT_CACHE_MB, PromptCache
+from specdecode.spare_cache import SpareCache
 
 TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
 # Nodes of a depth fed to the next draft forward in a tree. On a 2-core CPU feeding three cost 16.8 ms against
@@ -55,7 +56,8 @@ class DraftModelDrafter(GrowsTrees):
     def __init__(self, model: torch.nn.Module, vocab_size: int, initial_len: int = 256,
                  min_confidence: float = 0.0, width: int = 1, max_depth: int = 8, expand: int | None = None,
                  head_tokens: torch.Tensor | None = None, clock: ForwardTime | None = None,
-                 window: int | None = None, prompts: PromptCache | bool | None = None) -> None:
+                 window: int | None = None, prompts: PromptCache | bool | None = None,
+                 spare: SpareCache | None = None) -> None:
         """`head_tokens`: the vocabulary id of each logit of a draft head cut to frequent tokens
         (vocab_subset.cut_draft_head), None when it scores the whole vocabulary. `window`: the most prompt tokens
         it computes (its first `SINK_TOKENS`, or a longer prefix it copies, and the newest), None for the whole
@@ -88,6 +90,7 @@ class DraftModelDrafter(GrowsTrees):
         self.skipped = 0  # prompt tokens left out of its cache (between the window's head and its newest tokens):
         # a cache slot past the head holds context token slot + skipped
         self.context: list[int] | None = None  # the request's tokens: the engine's list, which grows with the answer
+        self.spare = spare or SpareCache()  # a finished fork's cache, for the next fork's request
 
     @property
     def forward_model(self) -> torch.nn.Module:
@@ -100,7 +103,8 @@ class DraftModelDrafter(GrowsTrees):
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.model, self.vocab_size, self.initial_len, self.min_confidence, self.width,
                                  self.max_depth, self.expand, self.head_tokens, self.clock, self.window,
-                                 False if self.prompts is None else self.prompts)  # decided once: no rescan
+                                 False if self.prompts is None else self.prompts,  # decided once: no rescan
+                                 self.spare)
 
     def memories(self) -> list:
         return [] if self.prompts is None else [self.prompts]
@@ -184,10 +188,12 @@ class DraftModelDrafter(GrowsTrees):
         """Its cache holds the prompt and the answer as far as it fed them: kept, so that a chat's next turn, which
         starts with both, copies them (rows computed as the target's are, where its prompt cache is on). A
         windowed prompt's cache is no prefix of the next turn: not kept."""
-        if self.prompts is None or self.cache is None or self.skipped or self.context is None:
-            return
-        length = min(self.cache.length, len(self.context))  # its last accepted nodes may be past a stop's cut
-        self.prompts.store(self.context[:length], self.cache)
+        if self.prompts is not None and self.cache is not None and not self.skipped and self.context is not None:
+            length = min(self.cache.length, len(self.context))  # its last accepted nodes may be past a stop's cut
+            self.prompts.store(self.context[:length], self.cache)
+        if self.cache is not None:  # its request is over: the next one's cache
+            self.spare.give(self.model, self.cache)
+            self.cache = None
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Accepted nodes that were fed stay, moved behind the agreed prefix; a node never fed (a leaf) ends them.
@@ -222,6 +228,6 @@ class DraftModelDrafter(GrowsTrees):
 
     def _ensure_capacity(self, needed: int) -> None:
         if self.cache is None:
-            self.cache = self.model.new_cache(1, max(needed, self.initial_len))
+            self.cache = self.spare.take(self.model, max(needed, self.initial_len))
         elif self.cache.max_len < needed:
             self.cache.grow(max(needed, 2 * self.cache.max_len))
