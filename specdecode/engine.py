@@ -155,6 +155,7 @@ class Engine:
             raise SpecdecodeError("the batch is full: wait for a running request to finish")
         need = self.reservation(len(prompt_ids), params)
         # Slots are reserved in full but allocated as they fill: most answers end long before max_tokens.
+        spare = self.spare.cache
         cache = self.spare.take(self.target, min(need, max(len(prompt_ids) + MAX_AUTO_NODES + 1, 256)))
         drafter = self.drafter.fork()
         k = self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
@@ -172,7 +173,9 @@ class Engine:
             self._store_prompts()
             seq.fed = seq.stats.cached_prompt_tokens = self.prompt_cache.reuse(cache, prompt_ids, len(prompt_ids) - 1)
         self.running.append(seq)
-        self.reserved[seq] = need
+        # The last request's cache, lent (only to a request that starts alone), may be larger than this one needs:
+        # the budget counts what it holds
+        self.reserved[seq] = max(need, cache.max_len) if cache is spare else need
         self.planner.join(seq)
         return seq
 

@@ -5,12 +5,12 @@ tokens' keys and values were computed before. A new request copies them (a memor
 1.5B target) and prefills only the rest. A prompt token costs the target ~13 ms on a 2-core CPU, so a second turn
 after a 300-token first turn and answer starts ~4 s sooner.
 
-The engine keeps each prompt once it is in, and each finished request's prompt and answer together (a chat's
-next turn starts with both). Exact by construction where it is used: only where every row is computed as its
-own one-token forward would compute it (engine.prompt_decode: on the CPU, prompt chunks and verify rows alike,
-a tree node's row over its path's slots in the path's order; tests/test_engine.py checks a request's cache
-against a fresh prefill after every step), so the copied keys and values are bit for bit the ones this request's
-own prefill would write. A draft model keeps its prompts the same way, and its answers where it read the whole
+The engine keeps each finished request's prompt and answer together (a chat's next turn starts with both), and a
+running request's prompt as soon as another request arrives that may share it (or as it leaves, cancelled). Exact
+by construction where it is used: only where every row is computed as its own one-token forward would compute it
+(engine.prompt_decode: on the CPU, prompt chunks and verify rows alike, a tree node's row over its path's slots in
+the path's order; tests/test_engine.py checks a request's cache against a fresh prefill after every step), so the
+copied keys and values are bit for bit the ones this request's own prefill would write. A draft model keeps its prompts the same way, and its answers where it read the whole
 prompt; its numbers never change the output.
 
 Bounded in memory (`max_mb`): the least recently used prompts leave first, and a prompt that is a prefix of a newer

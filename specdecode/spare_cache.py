@@ -21,10 +21,12 @@ class SpareCache:
         self.cache: KVCache | None = None
 
     def take(self, model: torch.nn.Module, slots: int) -> KVCache:
-        """An empty cache of at least `slots` slots for `model`: the spare if it is large enough, else a new one
-        (the spare too small is dropped: it would only hold memory)."""
+        """An empty cache of at least `slots` slots for `model`: the spare if it holds that many (it may hold more:
+        a KV budget counts its `max_len`), else a new one. A spare not taken is dropped: it would only hold
+        memory."""
         spare, self.cache = self.cache, None
-        if spare is not None and spare.max_len >= slots:
+        if (spare is not None and slots <= spare.max_len
+                and (torch.is_inference_mode_enabled() or not spare.k.is_inference())):  # writable here
             spare.reset()
             return spare
         return model.new_cache(1, slots)

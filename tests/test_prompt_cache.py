@@ -268,15 +268,24 @@ def test_a_cancelled_request_keeps_its_prompt(target):
     assert [p.tokens.tolist() for p in engine.prompt_cache.prompts] == [PROMPT]
 
 
-def test_the_next_request_takes_the_last_ones_cache_and_computes_the_same(target):
-    """A finished request's cache, garbage past its length included, serves the next request: outputs as from a
-    fresh cache, for the target's cache and the draft model's."""
-    params = SamplingParams(max_new_tokens=40)
-    expected = {tuple(p): run(Engine(target, NoDrafter()), p, params) for p in (PROMPT, OTHER)}
+def test_the_next_request_takes_the_last_ones_cache_and_computes_the_same():
+    """A finished request's cache, grown mid-answer and with garbage past its length, serves the next request (which
+    copies a shared prompt into it, outside inference mode): outputs as from fresh caches, the target's and the
+    draft model's. A spare larger than a request needs counts whole in the KV budget."""
+    target = quantize_(tiny_native("qwen2", seed=0, max_position_embeddings=512, **WIDE), "q8_0")
+    long, short = SamplingParams(max_new_tokens=280), SamplingParams(max_new_tokens=10)
+    expected = [run(Engine(target, NoDrafter()), p, params) for p, params in ((PROMPT, long), (LONGER, long),
+                                                                              (OTHER, short))]
     draft = drafter()
-    engine = Engine(target, draft, num_draft_tokens=3, prompt_cache=PromptCache(4))
-    assert run(engine, PROMPT, params) == expected[tuple(PROMPT)]
+    engine = Engine(target, draft, num_draft_tokens=3, prompt_cache=PromptCache(8))
+    assert run(engine, PROMPT, long) == expected[0]
     cache, draft_cache = engine.spare.cache, draft.spare.cache
-    assert cache is engine.last.cache and draft_cache is not None
-    assert run(engine, OTHER, params) == expected[tuple(OTHER)]
-    assert engine.last.cache is cache and engine.last.drafter.spare.cache is draft_cache
+    assert cache is engine.last.cache and cache.max_len > 256  # grown inside a step, in inference mode
+    assert draft_cache is not None
+    assert run(engine, LONGER, long) == expected[1]
+    assert engine.last.cache is cache and engine.last.stats.cached_prompt_tokens == len(PROMPT)
+    assert engine.last.stats.drafted_tokens > 0 and engine.last.drafter.spare.cache is draft_cache
+    seq = engine.add(OTHER, short)
+    assert seq.cache is cache and engine.reserved[seq] == cache.max_len > engine.reservation(len(OTHER), short)
+    engine.remove(seq)
+    assert run(engine, OTHER, short) == expected[2]

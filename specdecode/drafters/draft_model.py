@@ -90,7 +90,7 @@ class DraftModelDrafter(GrowsTrees):
         self.skipped = 0  # prompt tokens left out of its cache (between the window's head and its newest tokens):
         # a cache slot past the head holds context token slot + skipped
         self.context: list[int] | None = None  # the request's tokens: the engine's list, which grows with the answer
-        self.spare = spare or SpareCache()  # a finished fork's cache, for the next fork's request
+        self.spare = spare or SpareCache()  # one finished fork's cache (a few MB), for the next fork's request
 
     @property
     def forward_model(self) -> torch.nn.Module:
