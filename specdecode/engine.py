@@ -154,8 +154,8 @@ class Engine:
         if not self.can_admit(len(prompt_ids), params):
             raise SpecdecodeError("the batch is full: wait for a running request to finish")
         need = self.reservation(len(prompt_ids), params)
+        spare = self.spare.cache  # the last request's, which `take` may lend: counted whole below
         # Slots are reserved in full but allocated as they fill: most answers end long before max_tokens.
-        spare = self.spare.cache
         cache = self.spare.take(self.target, min(need, max(len(prompt_ids) + MAX_AUTO_NODES + 1, 256)))
         drafter = self.drafter.fork()
         k = self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
@@ -173,8 +173,8 @@ class Engine:
             self._store_prompts()
             seq.fed = seq.stats.cached_prompt_tokens = self.prompt_cache.reuse(cache, prompt_ids, len(prompt_ids) - 1)
         self.running.append(seq)
-        # The last request's cache, lent (only to a request that starts alone), may be larger than this one needs:
-        # the budget counts what it holds
+        # a lent cache (only to a request that starts alone) may be larger than this one needs: the budget counts
+        # what it holds
         self.reserved[seq] = max(need, cache.max_len) if cache is spare else need
         self.planner.join(seq)
         return seq

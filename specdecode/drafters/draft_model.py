@@ -188,12 +188,13 @@ class DraftModelDrafter(GrowsTrees):
         """Its cache holds the prompt and the answer as far as it fed them: kept, so that a chat's next turn, which
         starts with both, copies them (rows computed as the target's are, where its prompt cache is on). A
         windowed prompt's cache is no prefix of the next turn: not kept."""
-        if self.prompts is not None and self.cache is not None and not self.skipped and self.context is not None:
+        if self.cache is None:  # it never drafted
+            return
+        if self.prompts is not None and not self.skipped and self.context is not None:
             length = min(self.cache.length, len(self.context))  # its last accepted nodes may be past a stop's cut
             self.prompts.store(self.context[:length], self.cache)
-        if self.cache is not None:  # its request is over: the next one's cache
-            self.spare.give(self.model, self.cache)
-            self.cache = None
+        self.spare.give(self.model, self.cache)  # its request is over: the next one's cache
+        self.cache = None
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Accepted nodes that were fed stay, moved behind the agreed prefix; a node never fed (a leaf) ends them.
