@@ -26,7 +26,7 @@ import torch
 
 from specdecode import SpecDecoder
 from specdecode.kernels import cpu_kernels
-from specdecode.model import chain_part
+from specdecode.models.parts import chain_part
 
 CONTEXT = 300
 SWITCHES = ("team", "guided_units", "amx")

@@ -18,7 +18,7 @@ import torch
 from specdecode.api import SpecDecoder
 from specdecode.bench.machine import machine_info
 from specdecode.config import SamplingParams
-from specdecode.hub import resolve_packaged
+from specdecode.weights.hub import resolve_packaged
 from specdecode.rules import grammar as grammar_module
 
 SCHEMA = {"type": "object", "additionalProperties": False,

@@ -75,7 +75,7 @@ def main() -> int:
     from specdecode.bench.llamacpp import LlamaCppRunner
     from specdecode.bench.machine import machine_info
     from specdecode.kernels import cpu_flags
-    from specdecode.weights import resolve_source
+    from specdecode.weights.files import resolve_source
 
     edits = edit_set(args.edits)
     none = SpecDecoder.load(args.target, method="none")

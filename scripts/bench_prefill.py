@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verify_cost import prompt_ids  # noqa: E402  (beside this script)
 
-from specdecode.engine import PREFILL_ROWS_IDLE  # noqa: E402
+from specdecode.engine.engine import PREFILL_ROWS_IDLE  # noqa: E402
 from specdecode.kernels import cpu_kernels, cpu_model, prefetch_hint, simd_flags  # noqa: E402
-from specdecode.loading import load_model  # noqa: E402
-from specdecode.model import chain_part  # noqa: E402
+from specdecode.weights.loading import load_model  # noqa: E402
+from specdecode.models.parts import chain_part  # noqa: E402
 
 
 def ours_seconds(model, ids: list[int]) -> float:
@@ -61,7 +61,7 @@ def main() -> None:
     if args.llamacpp:
         import llama_cpp
 
-        from specdecode.weights import resolve_source
+        from specdecode.weights.files import resolve_source
 
         llm = llama_cpp.Llama(str(resolve_source(args.model)), n_ctx=max(lengths) + 16,
                               n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),

@@ -26,7 +26,7 @@ from profile_step import prompts
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.kernels import cpu_kernels
-from specdecode.model import chain_part
+from specdecode.models.parts import chain_part
 from specdecode.sampling import greedy_tokens
 
 

@@ -17,8 +17,6 @@ import collections
 from profile_step import prompts
 
 from specdecode import SamplingParams, SpecDecoder
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")

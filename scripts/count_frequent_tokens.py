@@ -15,8 +15,8 @@ import argparse
 import numpy as np
 import torch
 
-from specdecode import vocab_subset
-from specdecode.loading import load_tokenizer
+from specdecode.weights import vocab_subset
+from specdecode.weights.loading import load_tokenizer
 
 
 def main() -> None:

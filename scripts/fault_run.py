@@ -41,7 +41,7 @@ MODEL = "smollm2-135m-instruct"
 
 def inject_faults() -> None:
     """Wrap the engine and the scheduler (in the server's process) so that the agreed requests break them."""
-    from specdecode.engine import Engine
+    from specdecode.engine.engine import Engine
     from specdecode.server.scheduler import Scheduler
 
     add, step, drop = Engine.add, Engine.step, Scheduler._drop_cancelled

@@ -21,8 +21,8 @@ from collections import defaultdict
 import torch
 
 from specdecode.kernels import cpu_kernels
-from specdecode.loading import load_model
-from specdecode.masks import chain_mask
+from specdecode.weights.loading import load_model
+from specdecode.models.masks import chain_mask
 
 
 def main() -> None:

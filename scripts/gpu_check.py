@@ -26,6 +26,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -37,8 +38,8 @@ import torch
 
 from specdecode.config import ModelConfig, SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
-from specdecode.masks import chain_mask
-from specdecode.model import Transformer
+from specdecode.models.masks import chain_mask
+from specdecode.models.model import Transformer
 
 LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
@@ -73,7 +74,7 @@ def random_model(shape: dict, dtype: torch.dtype, device: str, seed: int = 0) ->
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    from specdecode.model import rope_inv_freq
+    from specdecode.models.model import rope_inv_freq
 
     model.inv_freq = rope_inv_freq(model.config).to(device)
     return model.eval()
@@ -242,18 +243,20 @@ def set_graphs(mode: str | bool, *models) -> None:
     """CUDA graphs on or off for engines built from now on (the engine turns them on by itself on a GPU); mode
     "graphs-rows": attention one row at a time in them (SPECDECODE_GRAPH_ROWS)."""
     on = mode not in (False, "eager")
-    os.environ["SPECDECODE_CUDA_GRAPHS"] = "1" if on else "0"
-    os.environ["SPECDECODE_GRAPH_ROWS"] = "1" if mode == "graphs-rows" else "0"
+    from specdecode import settings
+    from specdecode.models.cuda_graphs import use_graphs
+
+    settings.use(dataclasses.replace(settings.current(), cuda_graphs=on, graph_rows=mode == "graphs-rows"))
     for model in models:
-        model.use_graphs(False)  # a fresh set of graphs in the mode asked
-        model.use_graphs(on and model.device.type == "cuda")
+        use_graphs(model, False)  # a fresh set of graphs in the mode asked
+        use_graphs(model, on and model.device.type == "cuda", rows_apart=mode == "graphs-rows")
 
 
 def engine(args, device) -> dict:
     """Greedy identity of every method against `none`, the target drafting for itself where a draft model runs:
     eager, and with the lone request's forwards replayed as CUDA graphs (cuda_graphs.py)."""
-    from specdecode.engine import Engine
-    from specdecode.loading import Models
+    from specdecode.engine.engine import Engine
+    from specdecode.weights.loading import Models
     from specdecode.methods import build_drafter
 
     shape = TOY if args.small else SMOL
@@ -313,8 +316,8 @@ def engine_speed(args, device) -> dict:
     knows the answer and is right with p = 0.8 per token at fixed draft sizes, and a 1B-shaped draft model
     (random: its guesses are wrong, so this prices its drafting). tok/s of a second run (the first captures)."""
     from specdecode.drafters import NoDrafter
-    from specdecode.engine import Engine
-    from specdecode.loading import Models
+    from specdecode.engine.engine import Engine
+    from specdecode.weights.loading import Models
     from specdecode.methods import build_drafter
 
     dtype = getattr(torch, args.speed_dtype)
@@ -487,7 +490,7 @@ def speed(args, device) -> dict:
     # Through the engine: the oracle at p = 0.8, fixed draft sizes, against `none` in the same engine.
     try:
         from specdecode.drafters import NoDrafter
-        from specdecode.engine import Engine
+        from specdecode.engine.engine import Engine
 
         prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(9)).tolist()
         params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)

@@ -19,12 +19,12 @@ import time
 import torch
 
 from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdecode.loading import load_model, plan_load
-from specdecode.masks import chain_mask
-from specdecode.quantize import QuantLinear
-from specdecode.vocab_subset import (by_merge_rank, count_tokens, frequent_tokens, load_or_build, restrict_lm_head,
+from specdecode.weights.loading import load_model, plan_load
+from specdecode.models.masks import chain_mask
+from specdecode.weights.quantize import QuantLinear
+from specdecode.weights.vocab_subset import (by_merge_rank, count_tokens, frequent_tokens, load_or_build, restrict_lm_head,
                                      stored_head, subset_path, texts_from_jsonl)  # fmt: skip
-from specdecode.weights import resolve_source
+from specdecode.weights.files import resolve_source
 
 PROMPT = 200  # cached positions before the timed step, as in verify_cost.py
 

@@ -22,7 +22,7 @@ import time
 import torch
 
 from specdecode.kernels import cpu_model, simd_flags
-from specdecode.loading import load_model
+from specdecode.weights.loading import load_model
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")

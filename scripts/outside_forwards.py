@@ -23,7 +23,6 @@ import time
 from profile_step import prompts
 
 from specdecode import SamplingParams, SpecDecoder
-
 PROMPT_ROWS = 20  # a target forward over more rows than this is a prompt's, not a step's
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import resource
 
-from specdecode import hub
+from specdecode.weights import hub
 from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
@@ -23,7 +23,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.engine == "specdecode":
         from specdecode import SamplingParams, SpecDecoder
-
         decoder = SpecDecoder.load(method="draft", max_len=args.max_len)
         decoder.generate(PROMPT, SamplingParams(max_new_tokens=64), chat=True)
     else:

@@ -33,9 +33,9 @@ import torch
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.kernels import cpu_kernels, cpu_model, prefetch_hint, simd_flags
-from specdecode.loading import load_model
-from specdecode.masks import chain_mask
-from specdecode.model import Part  # not chain_part: the script also profiles checkouts from before it
+from specdecode.weights.loading import load_model
+from specdecode.models.masks import chain_mask
+from specdecode.models.parts import Part  # not chain_part: the script also profiles checkouts from before it
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -258,7 +258,7 @@ class SelfTimer:
 def instrument(sd: SpecDecoder, timer: SelfTimer) -> None:
     """Charge every part of an engine step to a category: methods of this engine's objects and of their classes,
     and the verifiers as sequence.py calls them, wrapped until `timer.restore()`."""
-    from specdecode import sequence
+    from specdecode.engine import sequence
     from specdecode.drafters import tree_growth
 
     engine = sd.engine
@@ -282,7 +282,7 @@ def instrument(sd: SpecDecoder, timer: SelfTimer) -> None:
         if "drafting" in vars(cls):
             timer.wrap_generator(cls, "drafting", "drafter logic")
     try:  # a draft with another tokenizer: its text between the tokenizers (checkouts from before it lack it)
-        from specdecode.token_bridge import DraftSide, TokenBridge
+        from specdecode.text.token_bridge import DraftSide, TokenBridge
     except ImportError:
         return
     timer.wrap(DraftSide, "update", "token mapping")

@@ -26,7 +26,6 @@ def answers(path: Path, target: str, count: int) -> list[dict]:
     if path.exists():
         return json.loads(path.read_text())
     from specdecode import SamplingParams, SpecDecoder
-
     decoder = SpecDecoder.load(target, method="none")
     cases = []
     for i, edit in enumerate(edit_set(count)):
@@ -47,7 +46,7 @@ def replay(case: dict, costs, sized: bool) -> tuple[float, int, int]:
     from specdecode.drafters.base import DraftContext
     from specdecode.drafters.none import NoDrafter
     from specdecode.drafters.prediction import PredictionDrafter
-    from specdecode.planner import FIXED, MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, StepPlan, best_count
+    from specdecode.planner.planner import FIXED, MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, StepPlan, best_count
 
     drafter, answer = PredictionDrafter(NoDrafter(), case["prediction"]), case["answer"]
     plan = StepPlan(costs) if sized else FIXED
@@ -80,7 +79,7 @@ def main() -> int:
     args = p.parse_args()
 
     from specdecode.api import cached_costs
-    from specdecode.loading import plan_load
+    from specdecode.weights.loading import plan_load
 
     cases = answers(args.answers, args.target, args.edits)
     costs = cached_costs(args.target, plan_load(args.target, None), "cpu")

@@ -22,7 +22,7 @@ from profile_step import DATA, prompts  # beside this script
 from specdecode import SamplingParams, SpecDecoder, sampling
 from specdecode.drafters import HybridDrafter, NoDrafter
 
-CALLERS = ("specdecode.verify", "specdecode.sequence", "specdecode.drafters.tree_growth")  # import to_probs, sample
+CALLERS = ("specdecode.verify", "specdecode.engine.sequence", "specdecode.drafters.tree_growth")  # import to_probs, sample
 
 
 class TorchPath:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from specdecode.loading import load_model
-from specdecode.masks import chain_mask
-from specdecode.model import prompt_as_decode_rows
+from specdecode.weights.loading import load_model
+from specdecode.models.masks import chain_mask
+from specdecode.models.model import prompt_as_decode_rows
 
 FORMS = {  # form -> (dtype, quantize, weights)
     "stored": (torch.float32, "none", "stored"),
@@ -46,7 +46,7 @@ def forward_ms(model, cache, prefix: int, m: int, repeats: int) -> float:
 def prompt_ids(model: str, n: int) -> list[int]:
     """A real text of n tokens for the prefill rate (this script's own source, repeated): the same ids for both
     engines."""
-    from specdecode.loading import load_tokenizer
+    from specdecode.weights.loading import load_tokenizer
 
     text = Path(__file__).read_text()
     ids = load_tokenizer(model).encode(text)
@@ -70,7 +70,7 @@ def prefill_tokens_per_s(model, ids: list[int], repeats: int) -> float:
 def llamacpp_row(model: str, sizes: list[int], repeats: int, prefill: int) -> tuple[list[float], float | None]:
     import llama_cpp
 
-    from specdecode.weights import resolve_source
+    from specdecode.weights.files import resolve_source
 
     llm = llama_cpp.Llama(str(resolve_source(model)), n_ctx=max(1024, prefill + 16), n_threads=torch.get_num_threads(),
                           n_threads_batch=torch.get_num_threads(), verbose=False)

@@ -82,7 +82,7 @@ def llama_server() -> Path:
     except Exception:  # noqa: BLE001
         raise SystemExit("vs_llama_server: llama-server is not on PATH and llama-cpp-python is not installed: "
                          "pip install -e '.[llamacpp]' (or put llama-server on PATH)") from None
-    from specdecode.hub import cache_dir
+    from specdecode.weights.hub import cache_dir
 
     binary = cache_dir() / "llama-server" / release / "llama-server"
     if binary.is_file():
@@ -122,8 +122,8 @@ def wait_up(proc: subprocess.Popen, url: str) -> None:
 
 
 def gguf_file(name: str) -> Path:
-    from specdecode import hub
-    from specdecode.weights import resolve_source
+    from specdecode.weights import hub
+    from specdecode.weights.files import resolve_source
 
     path = resolve_source(name)
     return path if path.is_file() else hub.pull(name)
@@ -148,7 +148,6 @@ def one_at_a_time(url: str, model: str, max_tokens: int, beside=None) -> tuple[d
     method in this process, run on each prompt just before the server (what `specdecode generate --chat` does),
     so the two are compared in the same spell of the machine -> (served, in process)."""
     from specdecode import SamplingParams
-
     served, local = {}, {}
     with httpx.Client(base_url=url, timeout=900) as http:
         http.post("/v1/chat/completions", json={"model": model, "max_tokens": 8, "temperature": 0,
@@ -200,7 +199,6 @@ def main() -> int:
         beside = None
         if not theirs and args.in_process:
             from specdecode import SpecDecoder
-
             beside = SpecDecoder.load(args.target, method=system)
         result = results[system] = {}
         for part, slots in runs:

@@ -18,20 +18,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdecode.budget import CostCurve, load_cached, load_or_measure
+from specdecode.planner.budget import CostCurve, load_cached, load_or_measure
 from specdecode.config import SamplingParams, choice_seed
 from specdecode.drafters import Drafter
 from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB, open_pool
-from specdecode.engine import Engine, Step
+from specdecode.engine.engine import Engine, Step
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import LoadPlan, load_models, plan_load
+from specdecode.weights.loading import LoadPlan, load_models, plan_load
 from specdecode.methods import DEFAULT_METHOD, build_drafter, get_method, shape_of, trained_folder
-from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB, PromptCache, check_size
+from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB, PromptCache, check_size
 from specdecode.rules.grammar import Constraint, GrammarCompiler
-from specdecode.sequence import TokenLogprob
-from specdecode.stats import GenerationStats
-from specdecode.text import TextStream
-from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
+from specdecode.engine.sequence import TokenLogprob
+from specdecode.engine.stats import GenerationStats
+from specdecode.text.stream import TextStream
+from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -169,7 +169,7 @@ class SpecDecoder:
         if threading.get_ident() != self._home:
             warnings.warn("specdecode: generating on another thread than the one that loaded the models makes every "
                           "forward slower (OpenMP keeps a thread team per calling thread; compute.py): load and "
-                          "generate on one thread, e.g. a specdecode.compute.ComputeThread", RuntimeWarning,
+                          "generate on one thread, e.g. a specdecode.server.compute.ComputeThread", RuntimeWarning,
                           stacklevel=2)
             self._home = threading.get_ident()  # said once per move
         ids = self.encode(prompt, chat)

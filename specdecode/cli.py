@@ -84,8 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from specdecode import hub
-
+    from specdecode.weights import hub
     if args.action == "pull":
         for name in args.names:
             print(hub.pull(name))

@@ -11,8 +11,8 @@ from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.methods import DEFAULT_METHOD, METHODS, SHAPES
 from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB
-from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB
-from specdecode.vocab_subset import DEFAULT_HEAD_SIZE
+from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB
+from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -18,8 +18,8 @@ from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.drafters.hybrid import NGRAM_BRANCHES
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import Models
-from specdecode.planner import DRAFT_MIN_CONFIDENCE, DRAFT_WINDOW
+from specdecode.weights.loading import Models
+from specdecode.planner.planner import DRAFT_MIN_CONFIDENCE, DRAFT_WINDOW
 
 SHAPES = ("chain", "tree")
 
@@ -101,7 +101,7 @@ def _lookahead(models: Models, tree: bool, max_ngram: int) -> LookaheadDrafter:
 
 def verifies_trees(models: Models) -> bool:
     """Can the target verify a tree (the native model; a transformers model verifies chains)?"""
-    from specdecode.model import Transformer
+    from specdecode.models.model import Transformer
 
     return isinstance(models.target, Transformer)
 

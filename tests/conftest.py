@@ -35,6 +35,6 @@ def switch_both_ways():
 @pytest.fixture
 def costs_as_given(monkeypatch):
     """Toy forwards take microseconds: the curve a test gives is the cost model under test, not lowered to them."""
-    from specdecode.planner import Planner
+    from specdecode.planner.planner import Planner
 
     monkeypatch.setattr(Planner, "observe", lambda self, rows, seconds: None)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specdecode import hub
+from specdecode.weights import hub
 from specdecode.advise.prompts import prompts_from_data
 from specdecode.advise.recommend import PAYS, advice, table
 from specdecode.cli import main

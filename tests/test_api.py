@@ -6,7 +6,7 @@ from specdecode.api import SpecDecoder
 from specdecode.config import SamplingParams
 from specdecode.drafters import NoDrafter
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import check_same_tokenizer
+from specdecode.weights.loading import check_same_tokenizer
 from test_text import ByteTokenizer
 from tiny import tiny_native
 from toy import ScriptedDrafter

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdecode import model as model_module
+from specdecode.models import model as model_module
 from specdecode.kernels import cpu_kernels
-from specdecode.masks import chain_mask, depths, tree_mask
-from specdecode.quantize import quantize_
+from specdecode.models.masks import chain_mask, depths, tree_mask
+from specdecode.weights.quantize import quantize_
 from tiny import tiny_native
 
 kernels = cpu_kernels()
@@ -123,7 +123,7 @@ def test_kernel_attention_extra_slots_match_gathered_sdpa():
 def chain_tree_and_batch(model, feature_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """Decode forwards of every shape after a 4-token prompt: a chain of 5 (with `feature_layers`' inputs), a tree
     of a root and four nodes (rows with extra slots), and a ragged batch of two sequences -> logits and hidden."""
-    from specdecode.model import Part
+    from specdecode.models.parts import Part
 
     tokens, parents = torch.tensor([4, 5, 6, 2, 8]), torch.tensor([-1, 0, 0, 1])
     out = []
@@ -155,15 +155,15 @@ def chain_tree_and_batch(model, feature_layers: tuple[int, ...] = ()) -> list[to
 def test_native_decoder_layers_equal_the_python_loop(monkeypatch, model_type, mode, overrides):
     """Decode forwards run each layer as one native call (kernels/layer_cpu.cpp): the same operations as the
     Python loop, so chains, trees and ragged batches of sequences give the same bits either way."""
-    from specdecode.model import Transformer
+    from specdecode.models.native import NativeDecode
 
     model = quantize_(tiny_native(model_type, seed=2, **overrides), mode)
     def run():
         return chain_tree_and_batch(model)
 
     native = run()
-    assert model._native[1] is not None, "the native layers did not run"
-    monkeypatch.setattr(Transformer, "_native_decode", lambda self, segments: None)
+    assert model.native.built is not None, "the native layers did not run"
+    monkeypatch.setattr(NativeDecode, "stack", lambda self, segments: None)
     python = run()
     assert all(torch.equal(a, b) for a, b in zip(native, python, strict=True))
 
@@ -174,21 +174,21 @@ def test_a_native_forward_looks_up_its_token_ids_and_positions_as_python_does(mo
     """A decode forward's embedding rows (a float table, or blocks as a GGUF file stores them) and rotary rows are
     looked up inside the native call (DecoderStack.forward_ids): the same bits as the embedding module's and the
     rotary table's rows handed to it, and as the Python loop."""
-    from specdecode.blocks import quantize_float
-    from specdecode.model import Transformer
-    from specdecode.quantize import QuantEmbedding
+    from specdecode.weights.blocks import quantize_float
+    from specdecode.models.native import NativeDecode
+    from specdecode.weights.quantize import QuantEmbedding
 
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
     model = quantize_(tiny_native("qwen2", seed=8, **shape), "q4_k")
     if embedding != "float":
         weight = model.model.embed_tokens.weight.detach()
         model.model.embed_tokens = QuantEmbedding(quantize_float(weight, embedding), torch.float32)
-    assert model._native_embedding(model.model.embed_tokens) is not None
+    assert model.native.embedding(model.model.embed_tokens) is not None
     in_call = chain_tree_and_batch(model)
-    assert model._native[1] is not None, "the native layers did not run"
-    monkeypatch.setattr(Transformer, "_native_embedding", lambda self, embed: None)
+    assert model.native.built is not None, "the native layers did not run"
+    monkeypatch.setattr(NativeDecode, "embedding", lambda self, embed: None)
     handed = chain_tree_and_batch(model)
-    monkeypatch.setattr(Transformer, "_native_decode", lambda self, segments: None)
+    monkeypatch.setattr(NativeDecode, "stack", lambda self, segments: None)
     python = chain_tree_and_batch(model)
     assert all(torch.equal(a, b) for a, b in zip(in_call, handed, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(in_call, python, strict=True))
@@ -202,8 +202,8 @@ def test_parts_made_of_lists_give_the_bits_of_parts_made_of_tensors():
     """A step's parts carry their ids and positions as lists, which the native layers take as they are
     (DecoderStack.forward_id_lists): a chain, a tree's nodes and a two-part batch give the same bits as the same
     parts made of tensors (the tensors' path is the one checked against the Python loop above)."""
-    from specdecode.masks import tree_row_slots
-    from specdecode.model import Part, RowSlots, chain_part
+    from specdecode.models.masks import tree_row_slots
+    from specdecode.models.parts import Part, RowSlots, chain_part
 
     model = quantize_(tiny_native("qwen2", seed=9, hidden_size=256, intermediate_size=512, num_attention_heads=8,
                                   num_key_value_heads=2), "q4_k")
@@ -266,8 +266,8 @@ def test_kernel_attention_rows_together_equal_each_alone(dim, dtype, heads):
 
 
 def test_a_chain_part_carries_the_slots_its_mask_gives():
-    from specdecode.kv_cache import KVCache
-    from specdecode.model import chain_part, row_slots
+    from specdecode.models.kv_cache import KVCache
+    from specdecode.models.parts import chain_part, row_slots
 
     cache = KVCache(1, 1, 1, 32, 8, torch.float32, "cpu")
     cache.truncate(5)
@@ -282,7 +282,7 @@ def test_draft_nodes_carry_the_slots_their_mask_gives():
     """A draft forward's nodes (a depth of a tree, fed after earlier depths) know their rows' slots: the same as
     reading them off their mask."""
     from specdecode.drafters.tree_growth import GrowsTrees, Node
-    from specdecode.model import row_slots, rows_mask
+    from specdecode.models.parts import row_slots, rows_mask
 
     def node(parent, depth, slot=-1):
         return Node(7, parent, depth, 0.5, 0.5, 0, [], slot)
@@ -325,7 +325,7 @@ def test_native_layers_give_the_same_bits_with_guided_or_fixed_thread_shares(mod
         fixed, guided = switch_both_ways("guided_units", run)
     finally:
         kernels.set_team(True)
-    assert model._native[1] is not None, "the native layers did not run"
+    assert model.native.built is not None, "the native layers did not run"
     assert all(torch.equal(a, b) for a, b in zip(fixed, guided, strict=True))
 
 
@@ -335,7 +335,7 @@ def test_a_forward_in_one_team_region_gives_the_bits_of_a_region_per_layer_group
     """On two threads a decode forward runs its layers in one parallel region: the second thread reads the next
     weights ahead and computes units from the back (team_cpu.h). Chains, trees, ragged batches and an EAGLE head's
     features give the same bits as one region per group of linear layers, and as model.py's loop."""
-    from specdecode.model import Transformer
+    from specdecode.models.native import NativeDecode
 
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
     model = quantize_(tiny_native("qwen2", seed=7, num_hidden_layers=3, **shape), mode)
@@ -343,9 +343,9 @@ def test_a_forward_in_one_team_region_gives_the_bits_of_a_region_per_layer_group
         return chain_tree_and_batch(model, feature_layers=(0, 2))
 
     regions, team = switch_both_ways("team", run)
-    assert model._native[1] is not None, "the native layers did not run"
+    assert model.native.built is not None, "the native layers did not run"
     assert all(torch.equal(a, b) for a, b in zip(regions, team, strict=True))
-    monkeypatch.setattr(Transformer, "_native_decode", lambda self, segments: None)
+    monkeypatch.setattr(NativeDecode, "stack", lambda self, segments: None)
     python, _ = switch_both_ways("team", run)
     assert all(torch.equal(a, b) for a, b in zip(python, team, strict=True))
 
@@ -356,8 +356,8 @@ def test_a_forward_in_one_team_region_gives_the_bits_of_a_region_per_layer_group
 def test_cache_keep_moves_the_slots_torch_moves(monkeypatch, dtype, kept):
     """The native slot moves (one call, lists in) leave the cache torch's gather and scatter leaves: every layer,
     head and slot, the bits untouched past the new length too."""
-    from specdecode import kv_cache as kv_module
-    from specdecode.kv_cache import KVCache
+    from specdecode.models import kv_cache as kv_module
+    from specdecode.models.kv_cache import KVCache
 
     def filled() -> KVCache:
         cache = KVCache(3, 1, 2, 32, 8, dtype)

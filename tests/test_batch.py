@@ -7,17 +7,17 @@ import math
 import pytest
 import torch
 
-import specdecode.engine as engine_module
-from specdecode.budget import CostCurve
+import specdecode.engine.engine as engine_module
+from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.drafters.base import Draft
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
-from specdecode.masks import chain_mask
-from specdecode.quantize import quantize_
+from specdecode.models.masks import chain_mask
+from specdecode.weights.quantize import quantize_
 from tiny import tiny_native
 from toy import BigramModel, Cycling, assert_exact_distribution, exact_sequence_probs, random_chain
 
@@ -183,7 +183,7 @@ def test_kv_budget_bounds_admission_and_refuses_what_never_fits(target):
 
 def test_a_draft_models_cache_counts_in_the_kv_budget(target, draft):
     """The draft model's cache grows with the context as the target's does: the budget counts both."""
-    from specdecode.kv_cache import bytes_per_token
+    from specdecode.models.kv_cache import bytes_per_token
 
     engine = Engine(target, DraftModelDrafter(draft, vocab_size=64), 0, max_len=256, kv_budget_tokens=200)
     share = bytes_per_token(draft) / bytes_per_token(target)

@@ -7,9 +7,9 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from specdecode.blocks import FORMATS, PackedWeight, from_gguf, narrowed, quantize_float
+from specdecode.weights.blocks import FORMATS, PackedWeight, from_gguf, narrowed, quantize_float
 from specdecode.kernels import cpu_kernels
-from specdecode.quantize import QuantLinear
+from specdecode.weights.quantize import QuantLinear
 
 kernels = cpu_kernels()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
@@ -95,7 +95,7 @@ def test_argmax_found_as_the_outputs_are_written_is_torchs(type_name, out):
     """An LM head finds each row's argmax while its logits are in cache (greedy verification reads nothing else
     of them): the same outputs as its plain call and torch's argmax of them, the first index on ties (across the
     short runs and the threads' shares), and no indices where a row holds a NaN."""
-    from specdecode.blocks import with_rows
+    from specdecode.weights.blocks import with_rows
 
     torch.manual_seed(3)
     w = packed(type_name, out=out, inp=512, seed=3)
@@ -190,7 +190,7 @@ def test_embedding_rows_decode_as_the_whole_matrix():
 def test_native_embedding_rows_are_the_reference_bits(type_name):
     """A decode step's embedding rows come from one native call: bit for bit what de-quantizing them gives, for
     a few rows (on the calling thread) and a prompt's many (in parallel), repeats included."""
-    from specdecode.quantize import QuantEmbedding
+    from specdecode.weights.quantize import QuantEmbedding
 
     w = packed(type_name, out=80, inp=512)
     embedding = QuantEmbedding(w, torch.float32)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from specdecode import budget
-from specdecode.budget import CostCurve, InUseCurve
+from specdecode.planner import budget
+from specdecode.planner.budget import CostCurve, InUseCurve
 from tiny import tiny_native
 
 

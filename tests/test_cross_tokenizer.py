@@ -11,17 +11,17 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from specdecode import hub
-from specdecode.budget import CostCurve
+from specdecode.weights import hub
+from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NoDrafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
-from specdecode.planner import Planner
-from specdecode.quantize import quantize_
-from specdecode.token_bridge import DraftSide, TokenBridge
+from specdecode.planner.planner import Planner
+from specdecode.weights.quantize import quantize_
+from specdecode.text.token_bridge import DraftSide, TokenBridge
 from tiny import tiny_native
 from toy import BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain
 
@@ -200,7 +200,7 @@ def test_sampled_output_is_the_targets_distribution_with_a_draft_of_another_toke
     vocab, eos, trials, length = 4, 3, 6000, 3
     target_tok, draft_tok = char_tokenizer([], "abcd"), char_tokenizer(["ab", "ca"], "dcba")
     bridge = TokenBridge.__new__(TokenBridge)
-    from specdecode.token_bridge import Vocabulary
+    from specdecode.text.token_bridge import Vocabulary
 
     bridge.target, bridge.draft = Vocabulary(target_tok), Vocabulary(draft_tok)
     target_chain = random_chain(vocab, 10)

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.cuda_graphs import LENT_CACHES, bucket
+from specdecode.models.cuda_graphs import LENT_CACHES, bucket, use_graphs
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
-from specdecode.engine import Engine
-from specdecode.model import Part, RowSlots, chain_part
-from specdecode.planner import Planner
+from specdecode.engine.engine import Engine
+from specdecode.models.parts import Part, RowSlots, chain_part
+from specdecode.planner.planner import Planner
 from tiny import tiny_native
 
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
@@ -42,10 +42,9 @@ def filled_cache(model, length: int):
 
 
 @pytest.mark.parametrize("tree", [False, True])
-@pytest.mark.parametrize("rows_apart", ["0", "1"])  # SPECDECODE_GRAPH_ROWS: attention in one call, or per row
+@pytest.mark.parametrize("rows_apart", [False, True])  # attention in one call, or per row
 @torch.inference_mode()  # as the engine steps: the graphs never run where gradients are recorded
-def test_a_padded_forward_gives_the_rows_of_the_eager_one(tree, rows_apart, monkeypatch):
-    monkeypatch.setenv("SPECDECODE_GRAPH_ROWS", rows_apart)
+def test_a_padded_forward_gives_the_rows_of_the_eager_one(tree, rows_apart):
     model = tiny_native("qwen2", seed=0)
     tokens = torch.tensor([7, 8, 9, 10, 11])  # 5 rows: the 8-row shape, 3 padded
     if tree:  # root, two children of the root, a grandchild under each
@@ -57,12 +56,12 @@ def test_a_padded_forward_gives_the_rows_of_the_eager_one(tree, rows_apart, monk
         eager_cache = filled_cache(model, 10)
         want = model.forward_parts([Part(tokens, positions, eager_cache, None, logits_from,
                                          rows=RowSlots(spans, extras))])[0]
-        model.use_graphs(capture=False)
+        use_graphs(model, capture=False, rows_apart=rows_apart)
         cache = filled_cache(model, 10)
         assert model.graphs.knows(cache)
         got = model.forward_parts([Part(tokens, positions, cache, None, logits_from, rows=RowSlots(spans, extras))])[0]
-        assert model.graphs.shapes and model.graphs.mask_rows == (rows_apart == "1"), "the static path ran"
-        model.use_graphs(False)
+        assert model.graphs.shapes and model.graphs.mask_rows == rows_apart, "the static path ran"
+        use_graphs(model, False)
         assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
@@ -87,12 +86,12 @@ def test_greedy_is_token_identical_through_the_static_forwards():
     reference = run(Engine(target, NoDrafter()), params)
     for name, drafter in drafters(target).items():
         for model in {target, drafter.forward_model} - {None}:
-            model.use_graphs(capture=False)
+            use_graphs(model, capture=False)
         engine = Engine(target, drafter, num_draft_tokens=6)
         assert run(engine, params) == reference, name
         assert target.graphs.shapes, name
         for model in {target, drafter.forward_model} - {None}:
-            model.use_graphs(False)
+            use_graphs(model, False)
 
 
 def test_windows_wider_than_the_first_and_a_forward_past_the_cache_run_alike():
@@ -100,7 +99,7 @@ def test_windows_wider_than_the_first_and_a_forward_past_the_cache_run_alike():
     prompt = [(7 * i) % 60 + 1 for i in range(300)]  # the window passes 256, then 512
     params = SamplingParams(max_new_tokens=240)
     reference = [t for step in Engine(target, NoDrafter()).generate(prompt, params) for t in step.tokens]
-    target.use_graphs(capture=False)
+    use_graphs(target, capture=False)
     engine = Engine(target, DraftModelDrafter(target, vocab_size=64), num_draft_tokens=6)
     assert [t for step in engine.generate(prompt, params) for t in step.tokens] == reference
     assert {key[2] for key in target.graphs.shapes} >= {512, 1024}  # the windows the graphs read
@@ -116,7 +115,7 @@ def test_windows_wider_than_the_first_and_a_forward_past_the_cache_run_alike():
 
 def test_lent_caches_come_back_and_a_grown_one_runs_eagerly():
     model = tiny_native("qwen2", seed=0)
-    model.use_graphs(capture=False)
+    use_graphs(model, capture=False)
     graphs = model.graphs
     first = model.new_cache(1, 64)
     assert first.max_len == graphs.cache_len and graphs.knows(first)
@@ -135,13 +134,12 @@ def test_lent_caches_come_back_and_a_grown_one_runs_eagerly():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_greedy_is_token_identical_replayed_as_cuda_graphs(monkeypatch):
+def test_greedy_is_token_identical_replayed_as_cuda_graphs():
     target = tiny_native("qwen2", seed=0).cuda()
     params = SamplingParams(max_new_tokens=40)
-    monkeypatch.setenv("SPECDECODE_CUDA_GRAPHS", "0")
-    reference = run(Engine(target, NoDrafter()), params)
+    reference = run(Engine(target, NoDrafter(), cuda_graphs=False), params)
     assert target.graphs is None
-    monkeypatch.setenv("SPECDECODE_CUDA_GRAPHS", "1")  # the engine turns them on for its models on a GPU
+    # the engine turns them on for its models on a GPU (cuda_graphs=True by default)
     for name, drafter in drafters(target).items():
         engine = Engine(target, drafter, num_draft_tokens=6)
         assert run(engine, params) == reference, name
@@ -152,7 +150,7 @@ def test_greedy_is_token_identical_replayed_as_cuda_graphs(monkeypatch):
 
 def test_shapes_are_made_again_when_the_weights_move_and_buffers_serve_any_grad_mode():
     model = tiny_native("qwen2", seed=0)
-    model.use_graphs(capture=False)
+    use_graphs(model, capture=False)
     with torch.inference_mode():  # buffers first made here (as in an engine's step) ...
         cache = model.new_cache(1, 64)
         first = model.forward_parts([chain_part(torch.tensor([1, 2, 3]), cache)])[0][0]
@@ -172,7 +170,7 @@ def test_requests_served_together_and_then_alone_give_their_alone_tokens():
     target = tiny_native("qwen2", seed=0)
     long, short = SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=5)
     alone = {n: run_prompt(Engine(target, NoDrafter()), PROMPT[:n], p) for n, p in ((13, long), (12, short))}
-    target.use_graphs(capture=False)
+    use_graphs(target, capture=False)
     engine = Engine(target, NgramDrafter(), num_draft_tokens=4)
     first, second = engine.add(PROMPT, long), engine.add(PROMPT[:-1], short)
     assert target.graphs.knows(first.cache) and target.graphs.knows(second.cache)
@@ -187,8 +185,8 @@ def test_a_seeded_sampled_tree_draws_the_same_tokens_through_the_static_forwards
     params = SamplingParams(max_new_tokens=30, temperature=0.8, seed=3)
     drafter = lambda: DraftModelDrafter(draft, vocab_size=64, width=3, expand=1)  # noqa: E731
     eager = run_prompt(Engine(target, drafter(), num_draft_tokens=6), PROMPT, params)
-    target.use_graphs(capture=False)
-    draft.use_graphs(capture=False)
+    use_graphs(target, capture=False)
+    use_graphs(draft, capture=False)
     assert run_prompt(Engine(target, drafter(), num_draft_tokens=6), PROMPT, params) == eager
     assert target.graphs.shapes and draft.graphs.shapes
 

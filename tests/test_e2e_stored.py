@@ -5,14 +5,14 @@ decoding on this path. With llama-cpp-python installed, llama.cpp's greedy outpu
 import pytest
 import torch
 
-from specdecode import hub
+from specdecode.weights import hub
 from specdecode.api import SpecDecoder
 from specdecode.config import SamplingParams
 from specdecode.kernels import cpu_kernels
-from specdecode.loading import Models, load_model, plan_load
-from specdecode.masks import chain_mask
+from specdecode.weights.loading import Models, load_model, plan_load
+from specdecode.models.masks import chain_mask
 from specdecode.methods import build_drafter
-from specdecode.quantize import QuantEmbedding, QuantLinear
+from specdecode.weights.quantize import QuantEmbedding, QuantLinear
 
 SMOL = "smollm2-135m-instruct"
 pytestmark = [pytest.mark.e2e,

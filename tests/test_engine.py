@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdecode.budget import CostCurve
+from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
@@ -11,10 +11,10 @@ from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.drafters.suffix_pool import SuffixPool
-from specdecode.engine import Engine
-from specdecode.masks import chain_mask
-from specdecode.planner import Planner, best_count
-from specdecode.prompt_cache import PromptCache
+from specdecode.engine.engine import Engine
+from specdecode.models.masks import chain_mask
+from specdecode.planner.planner import Planner, best_count
+from specdecode.models.prompt_cache import PromptCache
 from tiny import tiny_native
 from toy import (BigramModel, ScriptedDrafter, ScriptedTreeDrafter, assert_exact_distribution, exact_sequence_probs,
                  l1_bound, random_chain)
@@ -47,7 +47,7 @@ def reference(target):
 
 def subset_head_drafter(seed: int, width: int) -> DraftModelDrafter:
     """A draft whose LM head scores only half the vocabulary (vocab_subset.restrict_lm_head)."""
-    from specdecode.vocab_subset import restrict_lm_head
+    from specdecode.weights.vocab_subset import restrict_lm_head
 
     model = tiny_native("qwen2", seed=seed)
     return DraftModelDrafter(model, vocab_size=64, width=width,

@@ -8,9 +8,9 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
-from specdecode.planner import Planner
+from specdecode.planner.planner import Planner
 from specdecode.rules import OutputRules
 from specdecode.rules.grammar import GrammarCompiler
 from specdecode.sampling import to_probs
@@ -122,7 +122,7 @@ def test_forced_tokens_are_free_drafts(tokenizer, compiler):
 def subset_head(vocab: int) -> DraftModelDrafter:
     """A draft whose LM head scores every third token only: rows where the grammar allows none of them get no
     children (their argmax would be a token the grammar rejects)."""
-    from specdecode.vocab_subset import restrict_lm_head
+    from specdecode.weights.vocab_subset import restrict_lm_head
 
     model = tiny_native("qwen2", seed=1, vocab_size=vocab)
     return DraftModelDrafter(model, vocab_size=vocab, width=2,

@@ -9,8 +9,8 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
-from specdecode.engine import Engine
-from specdecode.hf_model import HFModel
+from specdecode.engine.engine import Engine
+from specdecode.models.hf_model import HFModel
 
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 7, 8, 1, 2, 3]
 

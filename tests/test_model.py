@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdecode.masks import chain_mask, depths, tree_mask, tree_row_slots
+from specdecode.models.masks import chain_mask, depths, tree_mask, tree_row_slots
 from tiny import hf_model, native_from_hf
 
 FAMILIES = ["qwen2", "llama", "qwen3", "mistral"]
@@ -100,7 +100,7 @@ def test_tree_mask_is_the_ancestor_relation():
 def test_tree_row_slots_are_what_the_mask_shows():
     """A verify forward's tree rows, worked out on lists, are the slots row_slots reads off the tree's mask, and
     give that mask back; depths count a node's ancestors and itself."""
-    from specdecode.model import RowSlots, row_slots, rows_mask
+    from specdecode.models.parts import RowSlots, row_slots, rows_mask
 
     gen = torch.Generator().manual_seed(5)
     for n in (0, 1, 2, 5, 9, 17):

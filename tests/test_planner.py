@@ -2,9 +2,9 @@
 
 import pytest
 
-from specdecode.budget import CostCurve, InUseCurve
+from specdecode.planner.budget import CostCurve, InUseCurve
 from specdecode.config import SamplingParams
-from specdecode.planner import FIXED, SEEDED_NUM_DRAFT_TOKENS, Planner, Record, StepPlan, best_count
+from specdecode.planner.planner import FIXED, SEEDED_NUM_DRAFT_TOKENS, Planner, Record, StepPlan, best_count
 
 
 def test_fast_one_token_forwards_do_not_talk_the_chooser_out_of_drafting():
@@ -93,7 +93,7 @@ def test_a_record_beats_plain_decoding_when_its_tokens_come_faster_than_one_a_fo
 
 def test_a_model_drafters_trust_learns_each_depths_acceptance_in_the_request():
     from specdecode.drafters.tree_growth import DepthTrust, Node
-    from specdecode.planner import FOLLOW, MODEL_TRUST_RANGE
+    from specdecode.planner.planner import FOLLOW, MODEL_TRUST_RANGE
 
     trust = DepthTrust()
     assert trust.factor(1) == trust.factor(4) == 1.0 and trust.follow(1) == FOLLOW  # before any step: as scored

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specdecode.kernels import cpu_kernels
-from specdecode.masks import chain_mask
-from specdecode.quantize import quantize_
+from specdecode.models.masks import chain_mask
+from specdecode.weights.quantize import quantize_
 from tiny import tiny_native
 
 kernels = cpu_kernels()

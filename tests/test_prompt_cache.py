@@ -6,14 +6,14 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NoDrafter
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
-from specdecode.kv_cache import KVCache
-from specdecode.planner import Planner
-from specdecode.prompt_cache import PromptCache
+from specdecode.models.kv_cache import KVCache
+from specdecode.planner.planner import Planner
+from specdecode.models.prompt_cache import PromptCache
 from specdecode.server.formats import usage
-from specdecode.stats import GenerationStats
-from specdecode.quantize import quantize_
+from specdecode.engine.stats import GenerationStats
+from specdecode.weights.quantize import quantize_
 from test_batch import WIDE, needs_kernels
 from tiny import tiny_native
 

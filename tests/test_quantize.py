@@ -6,10 +6,10 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 from specdecode.kernels import cpu_kernels
-from specdecode.masks import chain_mask
-from specdecode.quantize import KernelLinear, QuantLinear, quantize_
+from specdecode.models.masks import chain_mask
+from specdecode.weights.quantize import KernelLinear, QuantLinear, quantize_
 from tiny import tiny_native
 
 kernels = cpu_kernels()
@@ -83,7 +83,7 @@ def test_speculation_is_exact_for_the_target_as_run(mode):
 def test_greedy_verification_reads_the_argmax_the_head_found(mode, monkeypatch):
     """A float32 target on blocks: greedy verification takes each row's argmax as the LM head found it while
     writing the logits, and every method's output is plain decoding's."""
-    from specdecode.quantize import QuantLinear
+    from specdecode.weights.quantize import QuantLinear
 
     found = []
     plain_call = QuantLinear.forward_argmax
@@ -124,8 +124,8 @@ def test_sampling_self_draft_on_blocks_is_always_accepted(mode):
 def test_embedding_rows_are_the_same_from_its_cache(monkeypatch):
     """Without the CPU kernels, decode steps' embedding rows come from a small cache of recent tokens: the same
     bits as de-quantizing them, duplicates and evictions included."""
-    from specdecode.blocks import quantize_float
-    from specdecode.quantize import QuantEmbedding
+    from specdecode.weights.blocks import quantize_float
+    from specdecode.weights.quantize import QuantEmbedding
 
     packed = quantize_float(torch.randn(50, 64), "q8_0")
     embedding = QuantEmbedding(packed, torch.float32)

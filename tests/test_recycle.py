@@ -4,14 +4,14 @@ guarantees with it (greedy identity alone and in a batch, the target's exact dis
 import pytest
 import torch
 
-from specdecode.budget import CostCurve
+from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import NoDrafter
 from specdecode.drafters.base import DraftContext
 from specdecode.drafters.recycle import RecycleDrafter
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 from specdecode.kernels import cpu_kernels
-from specdecode.quantize import quantize_
+from specdecode.weights.quantize import quantize_
 from tiny import tiny_native
 from toy import DRAFTER_PROMPTS, BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain, tokens_of
 

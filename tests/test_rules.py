@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from specdecode.budget import CostCurve
+from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
-from specdecode.planner import Planner
+from specdecode.planner.planner import Planner
 from specdecode.sampling import to_probs
 from tiny import tiny_native
 from toy import (BigramModel, ScriptedDrafter, ScriptedTreeDrafter, assert_exact_distribution, exact_rule_probs,

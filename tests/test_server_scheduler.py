@@ -12,16 +12,16 @@ import httpx
 import pytest
 
 from server_thread import BackgroundServer
-from specdecode.compute import ComputeThread
+from specdecode.server.compute import ComputeThread
 from specdecode.config import SamplingParams
-from specdecode.engine import StepInfo
+from specdecode.engine.engine import StepInfo
 from specdecode.errors import SpecdecodeError
-from specdecode.sequence import Step
+from specdecode.engine.sequence import Step
 from specdecode.server.app import create_app
 from specdecode.server.metrics import Metrics
 from specdecode.server.scheduler import ClientLimit, Chunk, Failure, QueueFull, Scheduler, ShuttingDown
 from specdecode.server.settings import ServerSettings
-from specdecode.stats import GenerationStats
+from specdecode.engine.stats import GenerationStats
 
 PARAMS = SamplingParams(max_new_tokens=3)
 

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.budget import CostCurve
+from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import NoDrafter
 from specdecode.drafters.base import DraftContext
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.drafters.suffix_pool import SuffixPool
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
-from specdecode.quantize import quantize_
+from specdecode.weights.quantize import quantize_
 from tiny import tiny_native
 from toy import DRAFTER_PROMPTS, BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain, tokens_of
 

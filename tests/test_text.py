@@ -1,6 +1,6 @@
 """Streaming detokenization and stop strings, with a byte-level tokenizer (nothing downloaded)."""
 
-from specdecode.text import TextStream, decoder_of
+from specdecode.text.stream import TextStream, decoder_of
 
 
 class ByteTokenizer:

@@ -23,7 +23,7 @@ from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.drafters.medusa import MedusaDrafter, static_tree
 from specdecode.drafters.none import NoDrafter
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.methods import METHODS
 from specdecode.training import features as feature_cache
@@ -243,7 +243,7 @@ def _exact_top2(target: torch.nn.Module, prompt: list[int], length: int, params:
             return
         ids = torch.tensor([prompt + seq])
         cache = target.new_cache(1, ids.shape[1])
-        from specdecode.masks import chain_mask
+        from specdecode.models.masks import chain_mask
 
         logits, _ = target(ids, torch.arange(ids.shape[1])[None], cache, chain_mask(0, ids.shape[1], "cpu"),
                            logits_from=ids.shape[1] - 1)
@@ -321,8 +321,7 @@ def test_eagle_in_a_batch_with_chunked_prefill_matches_plain(tiny_heads, monkeyp
     position's features, across chunks and steps it sat out)."""
     from test_batch import run_batch
 
-    from specdecode import engine as engine_module
-
+    from specdecode.engine import engine as engine_module
     target, head, _, _ = tiny_heads
     monkeypatch.setattr(engine_module, "PREFILL_ROWS_IDLE", 7)
     monkeypatch.setattr(engine_module, "PREFILL_ROWS_BUSY", 5)
@@ -369,7 +368,7 @@ def test_regenerate_lets_the_target_write_and_resumes_from_its_log(trained: Path
 
 
 def test_regenerated_answers_are_the_targets_plain_greedy_answers(tmp_path: Path) -> None:
-    from specdecode.budget import CostCurve
+    from specdecode.planner.budget import CostCurve
     from specdecode.training.regenerate import MIN_ANSWER, regenerate
 
     target = tiny_native("qwen2", seed=0)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdecode.blocks import FORMATS, quantize_float
+from specdecode.weights.blocks import FORMATS, quantize_float
 from specdecode.errors import SpecdecodeError
-from specdecode.gguf_stored import PACKED_FIELDS, stored_dir
+from specdecode.weights.gguf_stored import PACKED_FIELDS, stored_dir
 from specdecode.kernels import cpu_kernels
-from specdecode.masks import chain_mask
-from specdecode.quantize import KernelLinear, QuantLinear, quantize_
-from specdecode.vocab_subset import (by_merge_rank, count_tokens, frequent_tokens, load_or_build, restrict_lm_head,
+from specdecode.models.masks import chain_mask
+from specdecode.weights.quantize import KernelLinear, QuantLinear, quantize_
+from specdecode.weights.vocab_subset import (by_merge_rank, count_tokens, frequent_tokens, load_or_build, restrict_lm_head,
                                      stored_head, subset_path, texts_from_jsonl)  # fmt: skip
 from test_blocks import packed as random_packed
 from tiny import tiny_native
@@ -183,7 +183,7 @@ def test_stored_head_reads_the_output_rows_from_the_unpacked_folder(tmp_path, ti
 
 
 def test_cut_draft_head_needs_a_matching_frequency_list():
-    from specdecode.vocab_subset import cut_draft_head, packaged_ranking
+    from specdecode.weights.vocab_subset import cut_draft_head, packaged_ranking
 
     class Vocab:
         all_special_ids = [0]

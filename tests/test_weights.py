@@ -16,7 +16,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from specdecode import hub, weights
+from specdecode.weights import hub
+
+from specdecode.weights import files as weights
 from specdecode.errors import SpecdecodeError
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -212,7 +214,7 @@ def test_gguf_second_load_reads_the_cache(tiny_gguf: Path, tmp_path: Path, monke
 
 
 def test_a_conversion_parses_the_file_once(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from specdecode.gguf_stored import load_stored
+    from specdecode.weights.gguf_stored import load_stored
 
     made: list[str] = []
     plain = gguf.GGUFReader
@@ -229,7 +231,7 @@ def test_a_conversion_parses_the_file_once(tiny_gguf: Path, tmp_path: Path, monk
 
 
 def test_a_draft_with_the_targets_vocabulary_files_shares_its_tokenizer(tiny_gguf: Path, tmp_path: Path) -> None:
-    from specdecode.gguf_stored import load_stored, stored_dir
+    from specdecode.weights.gguf_stored import load_stored, stored_dir
 
     own = load_stored(tiny_gguf, tmp_path).tokenizer
     twins = {name: tmp_path / name for name in ("same", "edited", "fewer")}
@@ -249,8 +251,8 @@ def test_a_draft_with_the_targets_vocabulary_files_shares_its_tokenizer(tiny_ggu
 
 
 def test_a_narrowed_draft_gets_its_wider_layers_in_q4_0_once_cached(tmp_path: Path) -> None:
-    from specdecode.gguf_stored import load_stored, stored_dir
-    from specdecode.vocab_subset import stored_head
+    from specdecode.weights.gguf_stored import load_stored, stored_dir
+    from specdecode.weights.vocab_subset import stored_head
 
     path = tmp_path / "q8.gguf"
     _write_gguf(path, _qwen2(), blocks="Q8_0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.config import ModelConfig
-from specdecode.model import Transformer
+from specdecode.models.model import Transformer
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)

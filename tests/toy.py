@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
-from specdecode.kv_cache import KVCache
-from specdecode.model import forward_each
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.model import forward_each
 
 
 @dataclass

@@ -120,8 +120,7 @@ def _head_kind(folder: str) -> str:
 
 def same_family_drafts(target: str) -> list[str]:
     """Pulled packaged models of a packaged target's family (one vocabulary), smaller than it."""
-    from specdecode import hub
-
+    from specdecode.weights import hub
     if target not in hub.REGISTRY:
         return []  # another model: its drafts are the ones given with --draft
     entry = hub.REGISTRY[target]
@@ -132,7 +131,7 @@ def same_family_drafts(target: str) -> list[str]:
 def load_candidates(args: argparse.Namespace, candidates: dict[str, dict[str, Any]]):
     from specdecode.api import DEFAULT_DRAFT, verify_costs
     from specdecode.bench.loaders import build_runners, load_models
-    from specdecode.loading import plan_load
+    from specdecode.weights.loading import plan_load
 
     drafts = [c["draft"] or DEFAULT_DRAFT for c in candidates.values() if c["method"] in ("draft", "hybrid")]
     plan = plan_load(args.target, drafts[0] if drafts else None, args.dtype, args.device, args.quantize,

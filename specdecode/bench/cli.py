@@ -28,9 +28,9 @@ from specdecode.bench.report import build_report, markdown
 from specdecode.cli_args import add_sampling_args, add_weight_args, sampling_params
 from specdecode.drafters import NoDrafter
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import LoadPlan, plan_load
+from specdecode.weights.loading import LoadPlan, plan_load
 from specdecode.methods import METHODS
-from specdecode.prompt_cache import DEFAULT_PROMPT_CACHE_MB, check_size
+from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB, check_size
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -27,9 +27,9 @@ from collections.abc import Generator
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.masks import tree_depths
-from specdecode.model import Part
-from specdecode.planner import FIXED, StepPlan
+from specdecode.models.masks import tree_depths
+from specdecode.models.parts import Part
+from specdecode.planner.planner import FIXED, StepPlan
 
 
 class Draft:

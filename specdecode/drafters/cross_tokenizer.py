@@ -23,8 +23,8 @@ from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.wrapping import Wrapping
-from specdecode.model import Part
-from specdecode.token_bridge import DraftSide, TokenBridge
+from specdecode.models.parts import Part
+from specdecode.text.token_bridge import DraftSide, TokenBridge
 
 GREEDY = SamplingParams()
 

@@ -35,10 +35,11 @@ import torch
 
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees, Node
-from specdecode.kv_cache import bytes_per_token
-from specdecode.model import Part, chain_part, prompt_as_decode_rows, rows_exact
-from specdecode.prompt_cache import DRAFT_PROMPT_CACHE_MB, PromptCache
-from specdecode.spare_cache import SpareCache
+from specdecode.models.kv_cache import bytes_per_token
+from specdecode.models.model import prompt_as_decode_rows, rows_exact
+from specdecode.models.parts import Part, chain_part
+from specdecode.models.prompt_cache import DRAFT_PROMPT_CACHE_MB, PromptCache
+from specdecode.models.spare_cache import SpareCache
 
 TREE_WIDTH = 3  # children per expanded node in a tree draft; 1 drafts a chain
 # Nodes of a depth fed to the next draft forward in a tree. On a 2-core CPU feeding three cost 16.8 ms against

@@ -36,9 +36,9 @@ from torch import nn
 from specdecode.drafters import store
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees, Node
-from specdecode.kv_cache import KVCache
-from specdecode.model import ids_and_positions, rows_mask
-from specdecode.planner import HEAD_MIN_CONFIDENCE
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.parts import ids_and_positions, rows_mask
+from specdecode.planner.planner import HEAD_MIN_CONFIDENCE
 
 @dataclass(slots=True)
 class EagleConfig:

@@ -44,8 +44,8 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.ngram import NgramDrafter, share_index
 from specdecode.drafters.wrapping import Wrapping
-from specdecode.model import Part
-from specdecode.planner import FIXED, Record
+from specdecode.models.parts import Part
+from specdecode.planner.planner import FIXED, Record
 
 MIN_NGRAM = 2
 NGRAM_BRANCHES = 4  # earlier matches merged into the n-gram's tree, as the ngram method's default tree

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.model import Part
+from specdecode.models.parts import Part
 
 if TYPE_CHECKING:
     from specdecode.drafters.base import Draft, Drafter

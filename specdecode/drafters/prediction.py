@@ -31,8 +31,8 @@ import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.wrapping import Wrapping
-from specdecode.model import Part
-from specdecode.planner import FIXED, Record
+from specdecode.models.parts import Part
+from specdecode.planner.planner import FIXED, Record
 
 MAX_MATCH = 8  # the longest output suffix looked up in the prediction when realigning
 NEAR = 64  # a one-token match is a guess only this close after the anchor (one token is ambiguous)

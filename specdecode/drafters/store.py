@@ -94,7 +94,7 @@ def load_head(folder: str | Path, kind: str, target: torch.nn.Module,
     """-> (config.json, the trained module `build(config)` filled with its weights, on the target's device). On a
     CPU its linear layers go to 8-bit blocks: a quarter of the bytes a draft step reads, and the output stays the
     target's (a drafter's precision changes only its guesses)."""
-    from specdecode.quantize import quantize_
+    from specdecode.weights.quantize import quantize_
 
     meta, tensors = load(folder, kind, target)
     module = build(meta["config"])

@@ -23,8 +23,8 @@ from typing import TypeVar
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
-from specdecode.model import RowSlots
-from specdecode.planner import (FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR, MODEL_TRUST_RANGE,
+from specdecode.models.parts import RowSlots
+from specdecode.planner.planner import (FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR, MODEL_TRUST_RANGE,
                                 running_mean)
 from specdecode.sampling import greedy_topk_lists, gumbel_topk, to_probs
 

@@ -26,6 +26,7 @@ from types import ModuleType
 
 import torch
 
+from specdecode import settings
 from specdecode.errors import SpecdecodeError
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,7 @@ PREFETCH_HINTS = {"GenuineIntel": "t1"}
 
 
 def prefetch_hint() -> str:
-    hint = os.environ.get("SPECDECODE_PREFETCH") or PREFETCH_HINTS.get(cpuinfo_field("vendor_id"), "nta")
-    if hint not in ("nta", "t0", "t1", "t2"):
-        raise SpecdecodeError(f"SPECDECODE_PREFETCH={hint!r}: use one of nta, t0, t1, t2 (or leave it unset)")
-    return hint
+    return settings.current().prefetch or PREFETCH_HINTS.get(cpuinfo_field("vendor_id"), "nta")
 
 
 @functools.cache
@@ -84,7 +82,7 @@ def build_key() -> tuple[str, list[str]]:
     # at::parallel_for needs OpenMP. No FMA contraction of scalar code: every instantiation of a kernel must round
     # the same way. SPECDECODE_CPU_ARCH (e.g. x86-64-v3, AVX2 only) builds for a lesser CPU: to test the other paths
     # on this one.
-    arch = os.environ.get("SPECDECODE_CPU_ARCH", "native")
+    arch = settings.current().cpu_arch
     flags = [f"-march={arch}", "-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp",
              f"-DSPECDECODE_PREFETCH_HINT=_MM_HINT_{prefetch_hint().upper()}"]
     # The sources' folder too: ninja rebuilds whenever the paths in its build file change, so two checkouts sharing
@@ -105,24 +103,28 @@ def cpu_kernels() -> ModuleType | None:
         with contextlib.suppress(ImportError):
             import ninja
 
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-    from specdecode.hub import cache_dir
+            settings.prepend_path(ninja.BIN_DIR)
 
     key, flags = build_key()
-    build = cache_dir() / "kernels" / key
+    build = settings.cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print("specdecode: building the native CPU kernels for this machine (once, 1-2 minutes)...", file=sys.stderr)
     try:
         with build_lock(build):
-            return cpp_extension.load(
+            kernels = cpp_extension.load(
                 name=f"specdecode_cpu_kernels_{key}", sources=[str(path) for path in SOURCES],
                 build_directory=str(build), extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
             )  # fmt: skip
     except Exception as error:  # a missing compiler or headers must not stop generation: fall back, loudly
         log.warning("specdecode: native CPU kernel unavailable (%s); using PyTorch's kernels", error)
         return None
+    switches = settings.current().kernel_switches  # A/B switches of the same bits (settings.py)
+    kernels.set_amx(switches.amx)
+    kernels.set_guided_units(switches.guided_units)
+    kernels.set_team(switches.team)
+    kernels.set_huge_pages(switches.huge_pages)
+    return kernels
 
 
 @contextlib.contextmanager

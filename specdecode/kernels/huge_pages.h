@@ -17,8 +17,8 @@
 
 #include "kernels.h"
 
-// On unless SPECDECODE_HUGE_PAGES=0 at start, or set_huge_pages (weights loaded after it: an A/B in one process).
-inline std::atomic<bool> huge_pages_wanted{env_switch_on("SPECDECODE_HUGE_PAGES")};
+// On unless set_huge_pages turns it off (SPECDECODE_HUGE_PAGES=0 through settings.py) (weights loaded after it: an A/B in one process).
+inline std::atomic<bool> huge_pages_wanted{true};
 
 // An uninitialised tensor, in 2 MB pages where the system grants them (at::empty below 2 MB, or if mmap fails).
 inline at::Tensor empty_in_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& options) {

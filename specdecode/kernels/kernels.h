@@ -32,14 +32,8 @@ struct QuantizedActs {
   std::map<int64_t, std::vector<at::Tensor>> by_format;
 };
 
-// A switch read from the environment at start: on unless NAME=0 (SPECDECODE_AMX, SPECDECODE_GUIDED_UNITS).
-inline bool env_switch_on(const char* name) {
-  const char* value = std::getenv(name);
-  return value == nullptr || std::string(value) != "0";
-}
-
 // How run_units shares a linear layer's units among the thread team: guided (true, the default) or one fixed share
-// per thread (false: SPECDECODE_GUIDED_UNITS=0 at start, or set_guided_units, to compare the two in one process).
+// per thread (false: set_guided_units, from SPECDECODE_GUIDED_UNITS=0 through settings.py, to compare the two).
 extern std::atomic<bool> guided_units;
 void set_guided_units(bool on);
 void set_team(bool on);  // a decode forward in one parallel region (layer_cpu.cpp, DecoderStack), on by default

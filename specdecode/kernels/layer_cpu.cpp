@@ -38,13 +38,13 @@ struct Laps {
 
 }  // namespace
 
-std::atomic<bool> guided_units{env_switch_on("SPECDECODE_GUIDED_UNITS")};
+std::atomic<bool> guided_units{true};
 
 void set_guided_units(bool on) { guided_units.store(on); }
 
-// The whole decode forward in one team region (on by default; SPECDECODE_TEAM=0 or set_team: a parallel region
+// The whole decode forward in one team region (on by default; set_team, from SPECDECODE_TEAM=0 through settings.py: a parallel region
 // per group of linear layers instead, to compare the two in one process).
-std::atomic<bool> team_forward{env_switch_on("SPECDECODE_TEAM")};
+std::atomic<bool> team_forward{true};
 std::atomic<int64_t> read_ahead{-1};  // set_read_ahead: -1, half the L2 cache
 
 namespace {

@@ -457,8 +457,8 @@ void joint_tile(const C16Acts& a, const C16Weight& w, int64_t cg, int64_t m0, fl
 }
 #endif
 
-// AMX on or off for this process: SPECDECODE_AMX=0 at start, or set_amx (an A/B of the two in one process).
-std::atomic<bool> amx_wanted{env_switch_on("SPECDECODE_AMX")};
+// AMX on or off for this process: set_amx (SPECDECODE_AMX=0 through settings.py) (an A/B of the two in one process).
+std::atomic<bool> amx_wanted{true};
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VNNI__)

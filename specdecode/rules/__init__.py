@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.masks import tree_mask
+from specdecode.models.masks import tree_mask
 from specdecode.rules.penalties import Penalties
 
 __all__ = ["OutputRules"]

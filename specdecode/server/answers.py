@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdecode.tool_calls import parse
+from specdecode.text.tool_calls import parse
 
 
 class TokenTexts:
@@ -24,7 +24,7 @@ class TokenTexts:
 
     def bytes_of(self, token: int) -> bytes:
         if self._bytes is None:
-            from specdecode.token_bridge import Vocabulary
+            from specdecode.text.token_bridge import Vocabulary
 
             try:
                 self._bytes = Vocabulary(self.tokenizer).bytes

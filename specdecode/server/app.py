@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from specdecode.compute import ComputeThread
-from specdecode.engine import kv_budget_tokens
+from specdecode.server.compute import ComputeThread
+from specdecode.engine.engine import kv_budget_tokens
 from specdecode.server.access import REQUEST_ID, RequestIds, bearer_check
 from specdecode.server.errors import ApiError, error_body, error_response
 from specdecode.server.metrics import Metrics

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import sys
 
+from specdecode import settings
 from specdecode.cli_args import add_model_args, decoder_kwargs, load_decoder
 from specdecode.errors import SpecdecodeError
 from specdecode.server.settings import ServerSettings
@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
+    p.add_argument("--api-key", default=settings.current().api_key,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, else none)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="more accepted keys, one per line (# comments); fairness and limits then count per key")
@@ -93,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return ray_app.serve_forever(decoder_kwargs(args), settings, args.replicas, args.host, args.port,
                                      args.ray_address, args.replica_cpus, args.drain_timeout)
 
-    from specdecode.compute import ComputeThread
+    from specdecode.server.compute import ComputeThread
     from specdecode.server.app import create_app
     from specdecode.server.run import serve
 

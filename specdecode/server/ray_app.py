@@ -41,7 +41,7 @@ def build(decoder_kwargs: dict, settings: ServerSettings, replicas: int, cpus: f
             import torch
 
             from specdecode.api import SpecDecoder
-            from specdecode.compute import ComputeThread
+            from specdecode.server.compute import ComputeThread
             from specdecode.server.app import create_app
 
             torch.set_num_threads(max(1, int(cpus)))  # replicas on one machine must not fight over its cores

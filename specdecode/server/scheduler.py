@@ -26,11 +26,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specdecode.api import text_chunk
-from specdecode.compute import ComputeThread
+from specdecode.server.compute import ComputeThread
 from specdecode.config import SamplingParams, choice_seed
 from specdecode.errors import SpecdecodeError
 from specdecode.server.metrics import Metrics
-from specdecode.text import TextStream
+from specdecode.text.stream import TextStream
 
 log = logging.getLogger("specdecode.server")
 

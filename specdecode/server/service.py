@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, Response
 
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
-from specdecode.planner import Planner
-from specdecode.tool_calls import call_grammar, render
+from specdecode.planner.planner import Planner
+from specdecode.text.tool_calls import call_grammar, render
 from specdecode.server.access import client_of
 from specdecode.server.errors import ApiError
 from specdecode.server.answers import Answer, TokenTexts

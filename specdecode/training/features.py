@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from specdecode.errors import SpecdecodeError
-from specdecode.masks import chain_mask
+from specdecode.models.masks import chain_mask
 from specdecode.training.data import Example
 
 TOP_K = 16  # teacher probabilities kept per position: past the 16th the mass left is negligible for a drafter

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from specdecode.drafters.eagle import target_embeddings
 from specdecode.training.features import Features
-from specdecode.vocab_subset import frequent_tokens
+from specdecode.weights.vocab_subset import frequent_tokens
 
 PACK_TOKENS = 512  # rows per training batch: whole sequences packed together, attention kept within each
 

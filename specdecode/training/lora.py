@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import LoadPlan, load_model
+from specdecode.weights.loading import LoadPlan, load_model
 from specdecode.drafters import store
 from specdecode.drafters.lora import KIND
 from specdecode.training.features import Features
@@ -29,8 +29,8 @@ def train_and_save(args: argparse.Namespace, target: torch.nn.Module, tokenizer,
         raise SpecdecodeError("`specdecode train draft` needs peft: pip install 'specdecode[train]'") from None
     import transformers
 
-    from specdecode.loading import check_same_tokenizer
-    from specdecode.weights import load_checkpoint
+    from specdecode.weights.loading import check_same_tokenizer
+    from specdecode.weights.files import load_checkpoint
 
     ckpt = load_checkpoint(args.draft, torch.float32)
     check_same_tokenizer(tokenizer, ckpt.tokenizer, args.target, args.draft, "a LoRA draft")

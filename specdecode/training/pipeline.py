@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode import hub
+from specdecode.weights import hub
 from specdecode.errors import SpecdecodeError
-from specdecode.loading import load_model, plan_load
+from specdecode.weights.loading import load_model, plan_load
 from specdecode.drafters import store
 from specdecode.training import features as feature_cache
 from specdecode.training.data import data_key, expand, read_examples, sample

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.kv_cache import KVCache
+from specdecode.models.kv_cache import KVCache
 
 
 class SpareCache:

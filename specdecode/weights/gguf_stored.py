@@ -25,10 +25,10 @@ from safetensors import safe_open
 from torch import Tensor
 from tqdm import tqdm
 
-from specdecode import hub
-from specdecode.blocks import FORMATS, PackedWeight, from_gguf, narrowed, with_rows
+from specdecode.weights import hub
+from specdecode.weights.blocks import FORMATS, PackedWeight, from_gguf, narrowed, with_rows
 from specdecode.errors import SpecdecodeError
-from specdecode.weights import (conversion_prefix, gguf_config, gguf_tokenizer, guard_gguf, one_gguf_parse,
+from specdecode.weights.files import (conversion_prefix, gguf_config, gguf_tokenizer, guard_gguf, one_gguf_parse,
                                 read_config, read_tokenizer, same_vocabulary_files, write_folder)  # fmt: skip
 
 log = logging.getLogger(__name__)

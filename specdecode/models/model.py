@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.config import ModelConfig
-from specdecode.cuda_graphs import GraphedForwards
 from specdecode.kernels import cpu_kernels
-from specdecode.kv_cache import KVCache
-from specdecode.masks import chain_mask
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.masks import chain_mask
+from specdecode.models.parts import Part, Segment, ids_and_positions, row_slots
 
 
 class RMSNorm(nn.Module):
@@ -81,157 +81,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-class ModuleEdits:
-    """Counts module assignments anywhere in the process (torch's global registration hook: setattr, ModuleList
-    items, register_module). A decode forward checks its native layers against the linear modules only after
-    one: looking the 168 modules up every forward cost 50-90 us, the caches cold after the weights streamed by."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        torch.nn.modules.module.register_module_module_registration_hook(self._saw)
-
-    def _saw(self, module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-        self.count += 1
-
-
-module_edits = ModuleEdits()
-
-
 def glue_kernels(q: torch.Tensor, k_cache: torch.Tensor):
     """The native kernels where they can do an attention layer's glue: float32 on CPU, head dim a multiple of 8."""
     if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or not q.is_cpu or q.shape[-1] % 8:
         return None
     return cpu_kernels()
-
-
-@dataclass(slots=True)
-class RowSlots:
-    """The cache slots each query row of a decode step attends to: [0, spans[t]), then extras[t] in order."""
-
-    spans: list[int]
-    extras: list[list[int]]  # empty for a chain: every row's slots are a prefix
-
-    def slots(self, t: int, device: torch.device) -> torch.Tensor:
-        head = torch.arange(self.spans[t], device=device)
-        return torch.cat((head, torch.tensor(self.extras[t], dtype=torch.long, device=device))) if self.extras else head
-
-
-@dataclass(slots=True)
-class Segment:
-    """The rows [begin, end) of a forward that belong to one sequence, and where that sequence's keys live."""
-
-    begin: int
-    end: int
-    cache: KVCache
-    write_pos: torch.Tensor | None  # [end - begin] cache slots of the new tokens (None where the native layers run)
-    attn_mask: torch.Tensor | None  # [B or 1, 1, end - begin, S]; None where rows are given
-    rows: RowSlots | None  # decode mode: each row's slots; None = one attention call under attn_mask
-    mask_rows: bool = False  # rows None: one attention call per row, each under its own row of attn_mask
-
-
-class Part:
-    """One sequence's share of a ragged forward (forward_parts): t new tokens after cache.length cached ones.
-
-    Its token ids and rotary positions come as tensors [t], or as lists: a step's parts are made from lists, and
-    the native decode layers take them as lists, so no tensor is made for them between two forwards (two tensors,
-    or one and its two rows, cost ~40 us on the caches a forward flushed). `tokens` and `positions` make the
-    tensors, on `device`, where a forward needs them (the Python layers, a GPU's graphs)."""
-
-    __slots__ = ("_tokens", "_positions", "id_list", "position_list", "count", "device", "cache", "attn_mask",
-                 "logits_from", "decode", "rows", "wants_argmax", "row_argmax")
-
-    def __init__(self, tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int], cache: KVCache,
-                 attn_mask: torch.Tensor | None, logits_from: int = 0, decode: bool = True,
-                 rows: RowSlots | None = None, device: torch.device | str | None = None) -> None:
-        """`attn_mask` [1, 1, t, S] bool; None: built from `rows` where a forward needs it (mask()). `logits_from`:
-        logits only for rows [logits_from, t). `decode`: rows computed as one-token forwards would (a prompt may
-        go faster without). `rows`: each row's slots where the caller knows them (a chain), else read off the
-        mask. `device`: where lists' tensors are made (default: the cache's)."""
-        if isinstance(tokens, list):
-            self.id_list, self.position_list, self._tokens, self._positions = tokens, positions, None, None
-            self.device = cache.k.device if device is None else device
-            self.count = len(tokens)
-        else:
-            self.id_list = self.position_list = None
-            self._tokens, self._positions, self.device, self.count = tokens, positions, tokens.device, tokens.numel()
-        self.cache, self.attn_mask, self.logits_from = cache, attn_mask, logits_from
-        self.decode, self.rows = decode, rows
-        # Greedy verification reads only each row's argmax of its logits: asked for, the LM head finds it as it
-        # writes them (forward_parts sets row_argmax [t - logits_from], where the head can and no row holds a NaN)
-        self.wants_argmax = False
-        self.row_argmax: torch.Tensor | None = None
-
-    @property
-    def tokens(self) -> torch.Tensor:  # [t]
-        return self._tensors()[0]
-
-    @property
-    def positions(self) -> torch.Tensor:  # [t] rotary positions
-        return self._tensors()[1]
-
-    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._tokens is None:  # made from the lists, once
-            self._tokens, self._positions = ids_and_positions(self.id_list, self.position_list, self.device)
-        return self._tokens, self._positions
-
-    def mask(self) -> torch.Tensor:
-        """The attention mask [1, 1, t, S]: as given, or built from `rows`. The CPU's decode rows attend by their
-        slots and never read it; a step's parts skip building it (a few tensor operations each)."""
-        if self.attn_mask is None:
-            self.attn_mask = rows_mask(self.rows, self.device)
-        return self.attn_mask
-
-
-def chain_part(tokens: torch.Tensor | list[int], cache: KVCache, logits_from: int = 0, decode: bool = True,
-               start: int | None = None, device: torch.device | None = None) -> Part:
-    """`tokens` [t] as a chain after `start` (default: the cache's length) tokens: row j at position start + j sees
-    slots [0, start + j]. Its rows' slots come with it (reading them off the mask costs a few tensor operations).
-    Tokens as a list: its tensors, where a forward needs them, made on `device` (default: the cache's)."""
-    start, count = cache.length if start is None else start, len(tokens)
-    if isinstance(tokens, list):
-        positions = list(range(start, start + count))
-    else:
-        positions = torch.arange(start, start + count, device=tokens.device)
-    rows = RowSlots(list(range(start + 1, start + count + 1)), [])
-    return Part(tokens, positions, cache, None, logits_from, decode, rows, device)
-
-
-def ids_and_positions(ids: list[int], positions: list[int], device: torch.device | str) -> tuple[torch.Tensor,
-                                                                                                  torch.Tensor]:
-    """A forward's token ids and rotary positions [t] each, made as one tensor (its two rows, contiguous views):
-    between two forwards each tensor made costs ~10 us on the caches a forward flushed."""
-    both = torch.tensor([ids, positions], dtype=torch.long, device=device)
-    return both[0], both[1]
-
-
-def rows_mask(rows: RowSlots, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Each row's slots -> the mask [1, 1, T, S] that shows them, S one past the last slot any row sees (each row
-    sees its own slot, the last row's the last one): chain_mask or tree_mask of the same rows."""
-    width = max(max(rows.spans), max((e[-1] + 1 for e in rows.extras if e), default=0))
-    mask = torch.zeros(len(rows.spans), width, dtype=torch.bool)
-    for t, span in enumerate(rows.spans):
-        mask[t, :span] = True
-    if rows.extras:
-        cells = [(t, slot) for t, extra in enumerate(rows.extras) for slot in extra]
-        mask[[t for t, _ in cells], [slot for _, slot in cells]] = True
-    return mask.to(device)[None, None]
-
-
-def row_slots(attn_mask: torch.Tensor) -> RowSlots:
-    """[B, 1, T, S] mask (shared by the batch) -> each row's slots: the leading run of allowed slots, then the rest
-    in ascending order. A tree node's ancestors ascend along its path, so that order is the path's order: the row
-    attends over exactly the slots, in exactly the order, a one-token forward of that path would."""
-    rows = attn_mask[0, 0]  # [T, S]
-    spans = rows.int().cumprod(-1).sum(-1)  # [T] length of each row's leading run
-    leading = torch.arange(rows.shape[-1], device=rows.device) < spans[:, None]
-    rest = rows & ~leading
-    if not bool(rest.any()):
-        return RowSlots(spans.tolist(), [])
-    row_of, slot = rest.nonzero(as_tuple=True)
-    extras: list[list[int]] = [[] for _ in range(rows.shape[0])]
-    for r, s in zip(row_of.tolist(), slot.tolist()):
-        extras[r].append(s)
-    return RowSlots(spans.tolist(), extras)
 
 
 class Attention(nn.Module):
@@ -402,23 +256,11 @@ class Transformer(nn.Module):
         inv_freq, where = rope_inv_freq(config), self.lm_head.weight.device
         self.register_buffer("inv_freq", inv_freq if where.type == "meta" else inv_freq.to(where), persistent=False)
         self._rotary_table: RotaryTable | None = None  # _rotary's, on the CPU
-        self._native: tuple[tuple, object | None] = ((), None)  # (the linear modules it was built from, the stack)
-        self._native_edits = -1  # module_edits.count when the linear modules were last compared
-        self._native_embed: tuple[torch.Tensor, object | None, int] | None = None  # (a float embedding's weight,
-        # its native lookup, the weight's storage), for _native_embedding
-        self.graphs: GraphedForwards | None = None  # a lone sequence's decode forwards as CUDA graphs (cuda_graphs.py)
-
-    def use_graphs(self, on: bool = True, capture: bool = True, cache_len: int | None = None) -> None:
-        """Replay a lone sequence's decode and verify forwards as CUDA graphs, over caches this model lends
-        (`new_cache`, `cache_len` slots each: an engine's context window). `capture=False` runs the same
-        static-buffer forwards eagerly (a check on the CPU)."""
-        if not on:
-            self.graphs = None
-        elif capture and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
-        elif (self.graphs is None or self.graphs.capture != capture
-              or cache_len is not None and self.graphs.cache_len != min(cache_len, self.max_context)):
-            self.graphs = GraphedForwards(self, capture, cache_len)
+        # Applied from outside, never by the network itself: the native decode stack once its linear layers are on
+        # the CPU kernels (models/native.py, applied by weights/quantize.py), and a lone sequence's forwards as
+        # CUDA graphs (models/cuda_graphs.py, use_graphs). None: the plain PyTorch layers below.
+        self.native = None
+        self.graphs = None
 
     @property
     def dtype(self) -> torch.dtype:  # of activations and the KV cache (the embedding may be in blocks)
@@ -473,16 +315,16 @@ class Transformer(nn.Module):
         # Each tensor operation between two forwards costs ~10 us on the caches the last one flushed: a lone
         # request's step takes views, not copies, and none where the whole tensor is the answer.
         one = len(parts) == 1
-        native = self._native_decode(segments)
+        native = self.native.stack(segments) if self.native is not None else None
         if native is not None and all(p.id_list is not None for p in parts):  # lists to the native call: no tensors
             ids = parts[0].id_list if one else [t for p in parts for t in p.id_list]
             at = parts[0].position_list if one else [t for p in parts for t in p.position_list]
-            hidden = self._native_forward(native, ids, at, segments, feature_layers)  # [N, d (+ features)]
+            hidden = self.native.forward(native, ids, at, segments, feature_layers)  # [N, d (+ features)]
         else:
             tokens = parts[0].tokens if one else torch.cat([p.tokens for p in parts])  # [N]
             positions = parts[0].positions if one else torch.cat([p.positions for p in parts])
             if native is not None:
-                hidden = self._native_forward(native, tokens, positions, segments, feature_layers)
+                hidden = self.native.forward(native, tokens, positions, segments, feature_layers)
             else:
                 for s in segments:
                     s.write_pos = torch.arange(s.cache.length, s.cache.length + s.end - s.begin, device=tokens.device)
@@ -542,8 +384,8 @@ class Transformer(nn.Module):
                 feature_layers: tuple[int, ...]) -> torch.Tensor:
         """Embedding, every decoder layer and the final norm -> hidden states [B, T, d], then the inputs of
         `feature_layers` (what an EAGLE-style head drafts from), [B, T, d * (1 + len(feature_layers))]."""
-        if tokens.shape[0] == 1 and (native := self._native_decode(segments)) is not None:
-            return self._native_forward(native, tokens[0], positions[0], segments, feature_layers)[None]
+        if tokens.shape[0] == 1 and self.native is not None and (native := self.native.stack(segments)) is not None:
+            return self.native.forward(native, tokens[0], positions[0], segments, feature_layers)[None]
         x = self.model.embed_tokens(tokens)  # [B, T, d]
         cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, hd] each
         captured = []
@@ -555,45 +397,6 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         return torch.cat((x, *captured), dim=-1) if captured else x
 
-    def _native_forward(self, native, tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int],
-                        segments: list[Segment], feature_layers: tuple[int, ...]) -> torch.Tensor:
-        """Decode rows tokens, positions [N] (tensors or lists) through the embedding, every layer and the final
-        norm in one native call (the same operations as the loop in _layers) -> hidden [N, d (+ features)]."""
-        # every position is below its cache's length after the forward: no max over the positions (a host read)
-        bound = max(s.cache.length + s.end - s.begin for s in segments)
-        rows = cpu_kernels().DecodeRows(
-            [s.begin for s in segments], [s.end for s in segments], [s.cache.length for s in segments],
-            [s.rows.spans for s in segments], [s.rows.extras for s in segments],
-            [s.cache.k for s in segments], [s.cache.v for s in segments])  # fmt: skip
-        embed = self.model.embed_tokens
-        if (looked_up := self._native_embedding(embed)) is not None:  # the lookups in the same call
-            cos, sin = self._rotary_tables(torch.float32, bound)
-            forward = native.forward_id_lists if isinstance(tokens, list) else native.forward_ids
-            return forward(tokens, positions, looked_up, cos, sin, rows, list(feature_layers))
-        if isinstance(tokens, list):
-            tokens, positions = ids_and_positions(tokens, positions, "cpu")
-        x = embed.forward(tokens)  # [N, d] (as the head: no module call)
-        cos, sin = self._rotary_rows(positions, x.dtype, bound)  # [N, hd] each
-        return native.forward(x, cos, sin, rows, list(feature_layers))
-
-    def _native_embedding(self, embed: nn.Module):
-        """`embed` as the native stack looks rows up (kernels.TokenEmbedding), the same bits as its own forward,
-        or None where the stack cannot: a weight in blocks on the kernel (quantize.QuantEmbedding.native) or a
-        float32 nn.Embedding on the CPU. Made once per embedding and weight."""
-        if (native := getattr(embed, "native", None)) is not None:
-            return native
-        if type(embed) is not nn.Embedding:
-            return None
-        weight = embed.weight
-        made = self._native_embed
-        if made is not None and made[0] is weight and made[2] == weight.data_ptr():  # .to() swaps a weight's data
-            return made[1]
-        usable = (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
-                  and embed.padding_idx is None and embed.max_norm is None)
-        looked_up = cpu_kernels().TokenEmbedding(1, [weight.detach()], []) if usable else None
-        self._native_embed = (weight, looked_up, weight.data_ptr())
-        return looked_up
-
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, 1, T, head_dim] of the rotary angles at `positions` [B, T]. On the CPU, rows of tables
         computed once for positions up to a power of two (six tensor operations a forward were ~0.1 ms, a
@@ -603,69 +406,22 @@ class Transformer(nn.Module):
             angles = rotary_angles(positions, self.inv_freq)[:, None]
             return angles.cos().to(dtype), angles.sin().to(dtype)
         bound = int(positions.max()) + 1 if positions.numel() else 1
-        cos, sin = self._rotary_rows(positions.reshape(-1), dtype, bound)
+        cos, sin = self.rotary_rows(positions.reshape(-1), dtype, bound)
         shape = (positions.shape[0], 1, positions.shape[1], -1)
         return cos.view(shape), sin.view(shape)
 
-    def _rotary_rows(self, positions: torch.Tensor, dtype: torch.dtype,
+    def rotary_rows(self, positions: torch.Tensor, dtype: torch.dtype,
                      bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [N, head_dim] at `positions` [N] (CPU), every one below `bound`: rows of the table."""
-        cos, sin = self._rotary_tables(dtype, bound)
+        cos, sin = self.rotary_tables(dtype, bound)
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
-    def _rotary_tables(self, dtype: torch.dtype, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_tables(self, dtype: torch.dtype, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cos and sin tables [P, head_dim] (CPU), P >= `bound`."""
         table = self._rotary_table
         if table is None or table.inv_freq is not self.inv_freq or table.dtype != dtype:
             table = self._rotary_table = RotaryTable(self.inv_freq, dtype)
         return table.upto(bound)
-
-    def _native_decode(self, segments: list[Segment]):
-        """The decoder layers and the final norm as one native decode step (kernels/layer_cpu.h, DecoderStack), or
-        None where the Python loop must run:
-        a prefill segment, a cache not float32 on the CPU (caches are made in the model's dtype and device: the
-        model's own attributes cost ~20 us a forward to read on flushed caches; the cache says once), or a linear
-        layer that is not on a kernel (a LoRA adapter, for one). Built once and rebuilt if a layer is replaced."""
-        for s in segments:
-            if s.rows is None or not s.cache.cpu_float32:
-                return None
-        if self._native_edits != module_edits.count:  # a module was assigned somewhere since the last check
-            linears = self._linear_modules()
-            if linears != self._native[0]:
-                self._native = (linears, self._build_native(linears))
-            self._native_edits = module_edits.count
-        return self._native[1]
-
-    def _linear_modules(self) -> tuple[nn.Module, ...]:
-        """Every decoder layer's seven linear modules, in order (dictionary lookups: this runs after module edits)."""
-        found: list[nn.Module] = []
-        for block in self.model.layers._modules.values():
-            attn, mlp = block._modules["self_attn"]._modules, block._modules["mlp"]._modules
-            found += (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mlp["gate_proj"],
-                      mlp["up_proj"], mlp["down_proj"])  # fmt: skip
-        return tuple(found)
-
-    def _build_native(self, linears: tuple[nn.Module, ...]):
-        kernels, c = cpu_kernels(), self.config
-        if kernels is None or c.hidden_size % 8 or c.head_dim % 8 or c.intermediate_size % 8:
-            return None
-        ops = [getattr(linear, "op", None) for linear in linears]
-        norms = [p for name, p in self.model.layers.named_parameters() if name.endswith("norm.weight")]
-        if any(op is None for op in ops) or any(p.dtype != torch.float32 for p in norms):
-            return None
-        none = torch.empty(0)
-        layers = []
-        for i, block in enumerate(self.model.layers):
-            attn = block.self_attn
-            q_norm, k_norm = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.qk_norm else (none, none)
-            layers.append(kernels.DecoderLayer(
-                i, attn.num_heads, attn.num_kv_heads, attn.head_dim, block.input_layernorm.eps,
-                block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach(), q_norm, k_norm,
-                *ops[7 * i : 7 * i + 7]))  # fmt: skip
-        norm = self.model.norm
-        if norm.weight.dtype != torch.float32:
-            return None
-        return kernels.DecoderStack(layers, norm.weight.detach(), norm.eps)
 
 
 def rows_exact(model: nn.Module) -> bool:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from specdecode.errors import SpecdecodeError
-from specdecode.kv_cache import KVCache
+from specdecode.models.kv_cache import KVCache
 
 DEFAULT_PROMPT_CACHE_MB = 256.0  # ~4,600 prompt tokens of the 1.5B target (float32 keys and values)
 # A draft model's: its window of a prompt (~3 MB for the 0.5B), or a whole chat turn with its answer (~6-12 MB)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdecode.budget import CostCurve
+from specdecode.planner.budget import CostCurve
 
 
 @dataclass

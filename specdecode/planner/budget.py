@@ -210,7 +210,7 @@ def machine_key() -> str:
 
 
 def curve_path(model_key: str, cache: Path | None = None) -> Path:
-    from specdecode.hub import cache_dir
+    from specdecode.settings import cache_dir
 
     # v4: files written back with the measured shape (InUseCurve.leveled); older ones may hold a drifted shape
     digest = hashlib.sha256(f"v4\n{model_key}\n{machine_key()}".encode()).hexdigest()[:16]
@@ -224,7 +224,7 @@ def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int
     `prefix` cached tokens (the verify forward the engine runs; attention over a short prefix is a small share).
     Sizes take turns, so a slow spell of a shared machine hits them all; each keeps its fastest run (the batch
     sizes of the first BATCH_REPEATS turns), and a larger forward is never recorded as cheaper than a smaller one."""
-    from specdecode.masks import chain_mask
+    from specdecode.models.masks import chain_mask
 
     device = target.device
     vocab = target.config.vocab_size

@@ -20,12 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specdecode.budget import CostCurve, InUseCurve
+from specdecode.planner.budget import CostCurve, InUseCurve
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 
 if TYPE_CHECKING:
-    from specdecode.sequence import Sequence, Step
+    from specdecode.engine.sequence import Sequence, Step
 
 # --- the tuned constants, each with where its value came from (BENCHMARKS.md sections in quotes) ---------------
 MAX_AUTO_NODES = 16  # the most nodes an automatic size verifies: the end of the measured cost curve (budget.py)

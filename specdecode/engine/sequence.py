@@ -23,13 +23,13 @@ from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.errors import SpecdecodeError
-from specdecode.kv_cache import KVCache
-from specdecode.masks import tree_row_slots
-from specdecode.model import Part, RowSlots, chain_part
-from specdecode.planner import MAX_AUTO_NODES, StepPlan
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.masks import tree_row_slots
+from specdecode.models.parts import Part, RowSlots, chain_part
+from specdecode.planner.planner import MAX_AUTO_NODES, StepPlan
 from specdecode.rules import OutputRules
 from specdecode.sampling import greedy_tokens, make_generator, sample, to_probs
-from specdecode.stats import GenerationStats
+from specdecode.engine.stats import GenerationStats
 from specdecode.verify import verify_chain, verify_tree
 
 

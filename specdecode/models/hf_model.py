@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecdecodeError
-from specdecode.model import Part, forward_each
+from specdecode.models.model import forward_each
+from specdecode.models.parts import Part
 
 
 @dataclass

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specdecode import hub
+from specdecode.weights import hub
 from specdecode.errors import SpecdecodeError
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

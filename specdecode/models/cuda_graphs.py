@@ -19,13 +19,14 @@ by the model) run eagerly, as before.
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from specdecode.kv_cache import KVCache
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.native import module_edits
+from specdecode.models.parts import row_slots, rows_mask
 
 MAX_ROWS = 64  # rows of the largest graph; a forward of more runs eagerly
 MIN_SLOTS = 256  # the narrowest attention window a graph reads
@@ -34,15 +35,21 @@ MAX_GRAPHS = 96  # captures per model; a shape beyond them runs eagerly
 WARMUPS = 2  # eager runs on a side stream before a capture (cuBLAS and the allocator settle), as PyTorch asks
 
 
-def graphs_wanted() -> bool:
-    """CUDA graphs are on unless SPECDECODE_CUDA_GRAPHS=0."""
-    return os.environ.get("SPECDECODE_CUDA_GRAPHS", "1") != "0"
-
-
-def rows_apart() -> bool:
-    """SPECDECODE_GRAPH_ROWS=1: attention one row at a time in the graphs (a verify row's attention is then the
-    one-token forward's wherever both read the same window; what it costs is in BENCHMARKS.md)."""
-    return os.environ.get("SPECDECODE_GRAPH_ROWS", "0") == "1"
+def use_graphs(model: torch.nn.Module, on: bool = True, capture: bool = True, cache_len: int | None = None,
+               rows_apart: bool = False) -> None:
+    """Replay a lone sequence's decode and verify forwards of a native `model` as CUDA graphs, over caches the
+    model lends (`new_cache`, `cache_len` slots each: an engine's context window). `capture=False` runs the same
+    static-buffer forwards eagerly (a check on the CPU). `rows_apart`: attention one row at a time in the graphs
+    (a verify row's attention is then the one-token forward's wherever both read the same window)."""
+    graphs = model.graphs
+    if not on:
+        model.graphs = None
+    elif capture and model.device.type != "cuda":
+        raise ValueError(f"CUDA graphs need the model on a CUDA device, not {model.device}")
+    elif (graphs is None or graphs.capture != capture or graphs.mask_rows != rows_apart
+          or cache_len is not None and graphs.cache_len != min(cache_len, model.max_context)):
+        module_edits.install()  # a replaced layer moves weights the graphs baked in: they are captured again
+        model.graphs = GraphedForwards(model, capture, cache_len, rows_apart)
 
 
 def bucket(n: int, low: int = 1) -> int:
@@ -67,10 +74,11 @@ class Captured:
 class GraphedForwards:
     """The graphs of one model, and the caches they write into."""
 
-    def __init__(self, model: torch.nn.Module, capture: bool = True, cache_len: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, capture: bool = True, cache_len: int | None = None,
+                 rows_apart: bool = False) -> None:
         self.model = model
         self.capture = capture
-        self.mask_rows = rows_apart()
+        self.mask_rows = rows_apart
         self.cache_len = min(cache_len or 8192, model.max_context)
         self.free: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.owned: set[int] = set()  # id() of the key buffer of every cache made here (a grown cache has new ones)
@@ -146,7 +154,6 @@ class GraphedForwards:
         """Drop every shape if the model's parameters moved (`.to()`, a layer replaced): a graph replays the
         addresses it was captured with. Compared in full only after a module was assigned somewhere or one of two
         sentinels moved, which is cheap to see."""
-        from specdecode.model import module_edits  # here: model.py imports this module
 
         sentinels = (self.model.lm_head.weight.data_ptr(), self.model.model.norm.weight.data_ptr())
         if self.edits == module_edits.count and self.weights[:2] == sentinels:
@@ -170,7 +177,6 @@ class GraphedForwards:
         shape.positions[:count].copy_(part.positions)
         shape.start.fill_(start)
         shape.last.fill_(count - 1)
-        from specdecode.model import row_slots, rows_mask  # here: model.py imports this module
 
         rows, slots = shape.mask.shape
         given = rows_mask(part.rows if part.rows is not None else row_slots(part.mask()))[0, 0]  # [count, <= slots]

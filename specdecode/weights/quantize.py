@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.blocks import PackedWeight, quantize_float
+from specdecode.weights.blocks import PackedWeight, quantize_float
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
+from specdecode.models.native import apply_native
 
 MODES = ("none", "q8_0", "q4_0", "q4_k")
 SUPERBLOCK = {"q8_0": 32, "q4_0": 32, "q4_k": 256}  # the input dimension must be a whole number of these
@@ -180,7 +181,7 @@ def quantize_(model: nn.Module, mode: str) -> nn.Module:
                 setattr(parent, name, QuantLinear(packed, child.bias, kernels))
             elif child.weight.dtype in (torch.float32, torch.bfloat16) and in_features % 8 == 0:
                 setattr(parent, name, KernelLinear(child, kernels))  # odd shapes stay float
-    return model
+    return apply_native(model)  # its decode forwards in one native call where every layer is on a kernel
 
 
 def apply_packed_(model: nn.Module, packed: dict[str, PackedWeight]) -> nn.Module:

@@ -14,13 +14,13 @@ import torch
 
 from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig, runs_natively
 from specdecode.errors import SpecdecodeError
-from specdecode.hf_model import HFModel
+from specdecode.models.hf_model import HFModel
 from specdecode.kernels import cpu_flags, cpu_kernels
-from specdecode.model import Transformer
-from specdecode.quantize import apply_packed_, quantize_, resolve_mode
-from specdecode.token_bridge import TokenBridge
-from specdecode.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
-from specdecode.weights import (gguf_architecture, load_checkpoint, load_tokenizer,  # noqa: F401  (re-exported)
+from specdecode.models.model import Transformer
+from specdecode.weights.quantize import apply_packed_, quantize_, resolve_mode
+from specdecode.text.token_bridge import TokenBridge
+from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
+from specdecode.weights.files import (gguf_architecture, load_checkpoint, load_tokenizer,  # noqa: F401  (re-exported)
                                 resolve_source)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -155,7 +155,7 @@ def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str) -
 
 
 def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None, narrow: str = "none") -> tuple[Transformer, object]:
-    from specdecode.gguf_stored import load_stored
+    from specdecode.weights.gguf_stored import load_stored
 
     ckpt = load_stored(gguf, tokenizer_like=tokenizer_like, narrow=narrow)
     if not runs_natively(ckpt.config):

@@ -29,19 +29,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.budget import CostCurve
+from specdecode.planner.budget import CostCurve
+from specdecode import settings
 from specdecode.config import SamplingParams
-from specdecode.cuda_graphs import graphs_wanted
+from specdecode.models.cuda_graphs import use_graphs
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.lockstep import run_batched
 from specdecode.errors import SpecdecodeError
-from specdecode.kv_cache import KVCache, bytes_per_token
-from specdecode.model import Part, Transformer, prompt_as_decode_rows, rows_exact
+from specdecode.models.kv_cache import KVCache, bytes_per_token
+from specdecode.models.model import Transformer, prompt_as_decode_rows, rows_exact
+from specdecode.models.parts import Part
 from specdecode.drafters.prediction import PredictionDrafter
-from specdecode.planner import MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, Planner
-from specdecode.prompt_cache import PromptCache
-from specdecode.spare_cache import SpareCache
-from specdecode.sequence import Sequence, Step
+from specdecode.planner.planner import MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, Planner
+from specdecode.models.prompt_cache import PromptCache
+from specdecode.models.spare_cache import SpareCache
+from specdecode.engine.sequence import Sequence, Step
 
 __all__ = ["Engine", "Sequence", "Step", "StepInfo", "check_prompt", "kv_budget_tokens"]
 
@@ -65,12 +67,15 @@ class StepInfo:
 class Engine:
     def __init__(self, target: torch.nn.Module, drafter: Drafter, num_draft_tokens: int | None = 4,
                  max_len: int = 8192, costs: CostCurve | None = None, max_running: int = 16,
-                 kv_budget_tokens: int | None = None, prompt_cache: PromptCache | None = None) -> None:
+                 kv_budget_tokens: int | None = None, prompt_cache: PromptCache | None = None,
+                 cuda_graphs: bool | None = None, graph_rows: bool | None = None) -> None:
         """`drafter`: each request drafts with its own `drafter.fork()`. `num_draft_tokens` None = automatic
         (needs `costs`, the target's verify cost curve). `kv_budget_tokens`: cache slots all running requests may
         reserve together (None: max_running full windows). `prompt_cache`: recent prompts' keys and values, which
         a request starting with the same tokens copies instead of computing (used where prompts run as
-        one-token forwards, so the copy is exact; None: every prompt is computed in full)."""
+        one-token forwards, so the copy is exact; None: every prompt is computed in full). `cuda_graphs`: on a GPU a
+        lone request's forwards replay as CUDA graphs; `graph_rows`: attention one row at a time inside them (None:
+        the settings', settings.py)."""
         self.target = target
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
@@ -93,10 +98,13 @@ class Engine:
         self.unstored: list[Sequence] = []
         # A drafter's own cache grows with the context too: the KV budget counts it, in target tokens.
         self.kv_scale = 1.0 + drafter.cache_bytes_per_token / (bytes_per_token(target) or math.inf)
-        if graphs_wanted():  # on a GPU a lone request's forwards replay as CUDA graphs: launches cost the most there
+        chosen = settings.current()
+        cuda_graphs = chosen.cuda_graphs if cuda_graphs is None else cuda_graphs
+        graph_rows = chosen.graph_rows if graph_rows is None else graph_rows
+        if cuda_graphs:  # on a GPU a lone request's forwards replay as CUDA graphs: launches cost the most there
             for model in (target, drafter.forward_model):
                 if isinstance(model, Transformer) and model.device.type == "cuda":
-                    model.use_graphs(cache_len=self.max_len)
+                    use_graphs(model, cache_len=self.max_len, rows_apart=graph_rows)
 
     def set_limits(self, max_running: int, kv_budget_tokens: int | None = None) -> None:
         self.max_running = max_running

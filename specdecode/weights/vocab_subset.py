@@ -33,13 +33,13 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from specdecode import hub
-from specdecode.blocks import FORMATS, PackedWeight
+from specdecode.weights import hub
+from specdecode.weights.blocks import FORMATS, PackedWeight
 from specdecode.errors import SpecdecodeError
-from specdecode.gguf_stored import PACKED_FIELDS, stored_dir
+from specdecode.weights.gguf_stored import PACKED_FIELDS, stored_dir
 from specdecode.kernels import cpu_kernels
-from specdecode.quantize import KernelLinear, QuantLinear
-from specdecode.weights import conversion_prefix, resolve_source
+from specdecode.weights.quantize import KernelLinear, QuantLinear
+from specdecode.weights.files import conversion_prefix, resolve_source
 
 CHANNEL_MULTIPLE = 16  # rows per vector of quantize.QuantLinear's 16-channel kernel
 
@@ -246,7 +246,7 @@ def cut_draft_head(model: nn.Module, tokenizer: Any, source: str, size: int = DE
     shipped for this vocabulary. -> the vocabulary id of each logit of the cut head, or None where it stays whole:
     when `size` is 0 or covers the vocabulary, or when no frequency list matches the tokenizer (ranking by id alone
     loses more acceptance than it saves). `narrow`: the block type a GGUF model's layers were narrowed to at load."""
-    from specdecode.model import Transformer
+    from specdecode.models.model import Transformer
 
     vocab = model.config.vocab_size
     if size <= 0 or size >= vocab or not isinstance(model, Transformer):  # transformers' models keep their head

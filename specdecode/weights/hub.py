@@ -21,6 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specdecode.errors import SpecdecodeError
+from specdecode.settings import cache_dir
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,6 @@ class ModelInfo:
     size: int
     pulled: bool
     path: Path  # where the file is, or will be once pulled
-
-
-def cache_dir() -> Path:
-    """Root of everything specdecode downloads or converts. The one place the environment is read."""
-    return Path(os.environ.get("SPECDECODE_CACHE") or Path.home() / ".cache" / "specdecode")
 
 
 def model_path(name: str, cache: Path | None = None, registry: dict[str, PackagedModel] = REGISTRY) -> Path:
