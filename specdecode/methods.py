@@ -19,7 +19,7 @@ from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.drafters.hybrid import NGRAM_BRANCHES
 from specdecode.errors import SpecdecodeError
 from specdecode.weights.loading import Models
-from specdecode.planner.planner import DRAFT_MIN_CONFIDENCE, DRAFT_WINDOW
+from specdecode.planner.tuning import DRAFT_MIN_CONFIDENCE, DRAFT_WINDOW
 
 SHAPES = ("chain", "tree")
 

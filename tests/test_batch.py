@@ -163,11 +163,12 @@ def test_drafting_turns_off_when_the_batch_is_large(target, draft):
     planner.costs = CPU_LIKE
     for seq in seqs:
         seq.fed = seq.stats.prompt_tokens  # pretend prefilled: only the gate is under test
-        planner.outlook[seq].draft_s = 0.5  # half a one-token target forward per draft
-    assert planner._gate(seqs, 16, 0) == []
-    assert planner._gate(seqs[:1], 1, 0) == seqs[:1]
-    planner.outlook[seqs[0]].draft_s = 0.0  # an n-gram drafter costs nothing: always proposes
-    assert seqs[0] in planner._gate(seqs, 16, 0)
+        planner.outlook[id(seq)].draft_s = 0.5  # half a one-token target forward per draft
+    records = [seq.record(gating=True) for seq in seqs]
+    assert planner._gate(records, 16, 0) == []
+    assert planner._gate(records[:1], 1, 0) == [id(seqs[0])]
+    planner.outlook[id(seqs[0])].draft_s = 0.0  # an n-gram drafter costs nothing: always proposes
+    assert id(seqs[0]) in planner._gate(records, 16, 0)
 
 
 def test_kv_budget_bounds_admission_and_refuses_what_never_fits(target):

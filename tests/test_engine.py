@@ -13,7 +13,8 @@ from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.drafters.suffix_pool import SuffixPool
 from specdecode.engine.engine import Engine
 from specdecode.models.masks import chain_mask
-from specdecode.planner.planner import Planner, best_count
+from specdecode.planner.planner import Planner
+from specdecode.planner.prices import best_count
 from specdecode.models.prompt_cache import PromptCache
 from tiny import tiny_native
 from toy import (BigramModel, ScriptedDrafter, ScriptedTreeDrafter, assert_exact_distribution, exact_sequence_probs,
@@ -320,19 +321,19 @@ def test_a_copier_passed_over_learns_from_what_followed():
 
     hybrid = HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64))
     copier = hybrid.ngram
-    rate = copier.hits / copier.tried
+    rate = copier.rate.value
     copier.parents = [-1, 0, 1, 2]  # its last draft, a chain of four
     chain = Draft.chain(torch.tensor([7, 8, 9, 10]), scores=[0.5, 0.25, 0.125, 0.0625])
     hybrid.not_taken, hybrid.not_taken_at = [(copier, chain)], 3
     hybrid._learn_in_hindsight([1, 2, 3, 7, 8, 9, 10, 11])
-    assert copier.hits / copier.tried > rate and hybrid.trust[copier].value == 1.0
+    assert copier.rate.value > rate and hybrid.trust[copier].value == 1.0
     assert hybrid.not_taken == []  # judged once
 
     wrong = HybridDrafter(DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64))
     wrong.ngram.parents = [-1, 0, 1, 2]
     wrong.not_taken, wrong.not_taken_at = [(wrong.ngram, chain)], 3
     wrong._learn_in_hindsight([1, 2, 3, 4, 5])
-    assert wrong.ngram.hits / wrong.ngram.tried < rate
+    assert wrong.ngram.rate.value < rate
 
 
 def test_ngram_matches_merge_into_a_trie():

@@ -4,7 +4,9 @@ import pytest
 
 from specdecode.planner.budget import CostCurve, InUseCurve
 from specdecode.config import SamplingParams
-from specdecode.planner.planner import FIXED, SEEDED_NUM_DRAFT_TOKENS, Planner, Record, StepPlan, best_count
+from specdecode.planner.planner import Planner
+from specdecode.planner.prices import FIXED, Record, StepPlan, best_count
+from specdecode.planner.tuning import SEEDED_NUM_DRAFT_TOKENS
 
 
 def test_fast_one_token_forwards_do_not_talk_the_chooser_out_of_drafting():
@@ -93,7 +95,7 @@ def test_a_record_beats_plain_decoding_when_its_tokens_come_faster_than_one_a_fo
 
 def test_a_model_drafters_trust_learns_each_depths_acceptance_in_the_request():
     from specdecode.drafters.tree_growth import DepthTrust, Node
-    from specdecode.planner.planner import FOLLOW, MODEL_TRUST_RANGE
+    from specdecode.planner.tuning import FOLLOW, MODEL_TRUST_RANGE
 
     trust = DepthTrust()
     assert trust.factor(1) == trust.factor(4) == 1.0 and trust.follow(1) == FOLLOW  # before any step: as scored
@@ -139,7 +141,8 @@ def test_a_drafts_scores_follow_its_trust_and_never_rise_above_a_parents():
     before, kept = scores_and_expected(drafter)
     assert before.scores[0] == kept[0].prob and any(n.depth > 1 for n in kept)  # believed as scored
     drafter = drafter.fork()  # the same model, a request of its own
-    drafter.trust.given = [4.0, 0.0]  # the first depth always right, the deeper ones overrated
-    drafter.trust.promised = [4.0, 2.0]
+    first, deeper = drafter.trust.rates  # accepted (hits) over promised (tried)
+    first.hits, first.tried = 4.0, 4.0  # the first depth always right, the deeper ones overrated
+    deeper.hits, deeper.tried = 0.0, 2.0
     after, _ = scores_and_expected(drafter)
     assert after.scores[0] == before.scores[0] and min(after.scores) < min(before.scores)

@@ -10,7 +10,7 @@ from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, 
 from specdecode.drafters.base import DraftContext
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.engine.engine import Engine
-from specdecode.planner.planner import Record, StepPlan
+from specdecode.planner.prices import Record, StepPlan
 from specdecode.errors import SpecdecodeError
 from test_batch import CPU_LIKE, draft, needs_kernels, target  # noqa: F401 - the tiny models, fixtures there
 from toy import BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain

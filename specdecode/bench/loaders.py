@@ -30,7 +30,7 @@ from specdecode.planner.budget import CostCurve
 from specdecode.errors import SpecdecodeError
 from specdecode.weights.loading import LoadPlan, Models, check_same_tokenizer, load_draft, load_model, load_tokenizer
 from specdecode.methods import METHODS, SHAPES, build_drafter
-from specdecode.planner.planner import DRAFT_MIN_CONFIDENCE
+from specdecode.planner.tuning import DRAFT_MIN_CONFIDENCE
 from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB
 from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE
 from specdecode.weights.files import load_checkpoint, resolve_source

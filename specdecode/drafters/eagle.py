@@ -33,12 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters import store
+from specdecode.drafters.store import load_head
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees, Node
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.parts import ids_and_positions, rows_mask
-from specdecode.planner.planner import HEAD_MIN_CONFIDENCE
+from specdecode.planner.tuning import HEAD_MIN_CONFIDENCE
 
 @dataclass(slots=True)
 class EagleConfig:
@@ -206,7 +206,7 @@ class EagleDrafter(GrowsTrees):
 
     @classmethod
     def load(cls, folder: str | Path, target: torch.nn.Module, **kwargs) -> EagleDrafter:
-        meta, head = store.load_head(folder, "eagle", target, lambda config: EagleHead(EagleConfig(**config)))
+        meta, head = load_head(folder, "eagle", target, lambda config: EagleHead(EagleConfig(**config)))
         return cls(head, target, tuple(meta["feature_layers"]), **kwargs)
 
     @property

@@ -6,7 +6,7 @@ the `hybrid` method also suffix decoding (the longest match in this request and 
 costs a forward per guess (~0.4 of the target's on a CPU) but guesses well everywhere. So every copier looks
 first, and the planner values each draft (planner.StepPlan.copy_value) through the verify cost curve: its best
 nodes are expected to make (1 + sum of their scores) tokens in C(nodes + 1) seconds, the scores discounted by the
-copier's `Trust` in this request (the tokens its drafts gave over what their scores promised). The best copy
+copier's trust in this request (the tokens its drafts gave over what their scores promised). The best copy
 drafts when its value is at least the model's record in this request: the tokens its steps made over the
 seconds they took (its drafting plus the verify forward). Only matches of two tokens or more are looked up: a
 one-token match guesses little better than chance, and the model guesses better there.
@@ -21,7 +21,7 @@ and what its draft would have given against them (its nodes no deeper than those
 its own record (`passed_over`: the n-gram's rate of accepted guesses). Learning only from the steps it drafts,
 a copier whose first guesses were scored low was never taken again, even while it guessed whole lines right (a
 function's body repeated with a new name: 16 of 16 copied tokens right, step after step, while the model
-drafted). Its `Trust` learns from verified drafts only: judged in hindsight, only as deep as a step's tokens
+drafted). Its trust (`copy_trust`) learns from verified drafts only: judged in hindsight, only as deep as a step's tokens
 reach, where copies are right most often, it overrated copies (1.67-1.70x `none` on the dev sets against
 1.72-1.77x without; with the record alone 1.73-1.74x against 1.68-1.69x, BENCHMARKS.md).
 
@@ -45,7 +45,9 @@ from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.ngram import NgramDrafter, share_index
 from specdecode.drafters.wrapping import Wrapping
 from specdecode.models.parts import Part
-from specdecode.planner.planner import FIXED, Record
+from specdecode.planner.estimates import RunningRate
+from specdecode.planner.prices import FIXED, Record
+from specdecode.planner.tuning import COPY_TRUST_DECAY, COPY_TRUST_PRIOR
 
 MIN_NGRAM = 2
 NGRAM_BRANCHES = 4  # earlier matches merged into the n-gram's tree, as the ngram method's default tree
@@ -104,7 +106,7 @@ class HybridDrafter(Wrapping):
         share_index(self.copiers)
         self.used: Drafter | None = None
         self.copied: Draft | None = None  # the best copier's draft this step
-        self.trust = {copier: Trust() for copier in self.copiers}
+        self.trust = {copier: copy_trust() for copier in self.copiers}
         self.record = Record()  # the model's running tokens and seconds per step in this request
         self.plan = FIXED
         self.nodes = 0  # nodes of its last draft
@@ -163,28 +165,16 @@ class HybridDrafter(Wrapping):
         self.used.commit(accepted, verified)
         if self.used is not self.draft:
             seen = range(len(self.copied)) if verified is None else verified
-            self.trust[self.used].add(sum(self.copied.scores[i] for i in seen), len(accepted))
+            self.trust[self.used].step(len(accepted), sum(self.copied.scores[i] for i in seen))
         elif self.plan.costs is not None:
             rows = 1 + (len(verified) if verified is not None else self.nodes)
             self.record.add(len(accepted) + 1.0, self.plan.step_seconds(self.draft.drafting_s, rows))
 
 
-class Trust:
-    """How far a copier's scores can be believed in this request: the tokens its verified drafts gave over the
-    tokens their scores promised (running sums, recent steps weighing more; 1 before it has drafted)."""
-
-    DECAY, PRIOR = 0.8, 1.0  # not swept
-
-    def __init__(self) -> None:
-        self.promised = self.given = self.PRIOR
-
-    def add(self, promised: float, given: int) -> None:
-        self.promised = self.DECAY * self.promised + promised
-        self.given = self.DECAY * self.given + given
-
-    @property
-    def value(self) -> float:
-        return self.given / max(self.promised, 1e-9)  # promised only decays while drafts are cut to nothing
+def copy_trust() -> RunningRate:
+    """How far a copier's scores can be believed in this request: the tokens its verified drafts gave (hits) over
+    the tokens their scores promised (tried), recent steps weighing more; 1 before it has drafted."""
+    return RunningRate(1.0, COPY_TRUST_PRIOR, COPY_TRUST_DECAY)
 
 
 def hindsight(draft: Draft, followed: list[int]) -> tuple[list[int], list[int]]:

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from specdecode.drafters.draft import Draft
 from specdecode.models.parts import Part
 
-if TYPE_CHECKING:
-    from specdecode.drafters.base import Draft, Drafter
+Drafting = Generator[Part, torch.Tensor, Draft]
 
-Drafting = Generator[Part, torch.Tensor, "Draft"]
+
+class Drafter(Protocol):
+    """What running a drafter's forwards tells it (drafters/base.py declares it for every drafter)."""
+
+    def forward_took(self, seconds: float) -> None: ...
 
 
 def run_alone(drafting: Drafting, model: torch.nn.Module | None, drafter: Drafter) -> Draft:

@@ -23,13 +23,14 @@ from collections import deque
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
-from specdecode.drafters.ngram import PRIOR_RATE, PRIOR_WEIGHT, trie
+from specdecode.drafters.ngram import trie
+from specdecode.planner.estimates import RunningRate
+from specdecode.planner.tuning import (LOOKAHEAD_DECAY, LOOKAHEAD_PRIOR_YIELD, LOOKAHEAD_YIELD_WEIGHT,
+                                      NGRAM_PRIOR_RATE, NGRAM_PRIOR_WEIGHT)
 
 WINDOW = 8  # Jacobi guesses fed per step at most (the paper's W; the planner may keep fewer)
 NGRAM = 4  # n-grams of this many tokens: a pool hit drafts NGRAM - 1 (the paper's N)
 POOL_PER_KEY = 4  # n-grams kept per first token, newest first (the paper's G)
-PRIOR_YIELD, YIELD_WEIGHT = 0.1, 8.0  # pool tokens accepted per window row fed, before any is measured (not swept)
-DECAY = 0.95  # weight of the past in the yield's running sums
 
 
 class LookaheadDrafter(Drafter):
@@ -46,8 +47,9 @@ class LookaheadDrafter(Drafter):
     def reset(self) -> None:
         self.pool: dict[int, deque[tuple[int, ...]]] = {}
         self.guess: list[int] = []  # the Jacobi window: guesses for the positions after the root
-        self.tried, self.hits = PRIOR_WEIGHT, PRIOR_RATE * PRIOR_WEIGHT  # pool candidates, as the n-gram's rate
-        self.fed, self.gained = YIELD_WEIGHT, PRIOR_YIELD * YIELD_WEIGHT  # window rows fed, pool tokens accepted
+        self.rate = RunningRate(NGRAM_PRIOR_RATE, NGRAM_PRIOR_WEIGHT)  # pool candidates, as the n-gram's rate
+        # pool tokens accepted per window row fed
+        self.yield_ = RunningRate(LOOKAHEAD_PRIOR_YIELD, LOOKAHEAD_YIELD_WEIGHT, LOOKAHEAD_DECAY)
         self.parents: list[int] = []
         self.candidates = 0  # nodes of the last draft from the pool; the window's follow
         self.outputs: dict[int, int] = {}  # window depth -> the target's argmax there, in the last forward
@@ -61,12 +63,12 @@ class LookaheadDrafter(Drafter):
         depth = min(max_tokens, ctx.max_depth)
         found = [g[:depth] for g in self.pool.get(root, ())]
         tokens, parents, share = trie(found, max_tokens)
-        rate = self.hits / self.tried
+        rate = self.rate.value
         scores: list[float] = []
         for parent, fraction in zip(parents, share):
             scores.append((1.0 if parent < 0 else scores[parent]) * rate * fraction)
         self.candidates = len(tokens)
-        row_value = min(1.0, self.gained / self.fed)  # pool hits go on after the window is cut: fed stops
+        row_value = min(1.0, self.yield_.value)  # pool hits go on after the window is cut: rows fed stop
         rows = min(self.window, max_tokens - len(tokens), depth)
         for j in range(rows):  # the window: a chain under the root, each row worth the pool's yield per row
             tokens.append(self.guess[j])
@@ -94,10 +96,8 @@ class LookaheadDrafter(Drafter):
         on_path = [-1] + from_pool
         for i, node in enumerate(on_path):
             if node in has_children:
-                self.tried += 1
-                self.hits += i + 1 < len(on_path)
-        self.fed = DECAY * self.fed + window_rows
-        self.gained = DECAY * self.gained + len(from_pool)
+                self.rate.add(i + 1 < len(on_path), 1)
+        self.yield_.step(len(from_pool), window_rows)
         self._learn(window_rows, len(accepted))
 
     def _learn(self, rows: int, accepted: int) -> None:

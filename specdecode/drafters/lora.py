@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecdecodeError
-from specdecode.drafters import store
+from specdecode.drafters.store import load
 
 KIND = "draft"
 
@@ -33,7 +33,7 @@ class LoraLinear(nn.Module):
 
 def apply_adapter(model: nn.Module, folder: str | Path, draft_name: str) -> None:
     """Wrap `model`'s adapted layers, in place, after checking the adapter was trained on this draft."""
-    meta, tensors = store.load(folder, KIND, model)
+    meta, tensors = load(folder, KIND, model)
     scale = meta["config"]["alpha"] / meta["config"]["rank"]
     modules = dict(model.named_modules())
     for key in [k for k in tensors if k.endswith(".lora_a")]:

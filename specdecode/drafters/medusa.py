@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters import store
+from specdecode.drafters.store import load_head
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 
 @dataclass(slots=True)
@@ -89,7 +89,7 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def load(cls, folder: str | Path, target: torch.nn.Module, **kwargs) -> MedusaDrafter:
-        meta, heads = store.load_head(folder, "medusa", target, lambda config: MedusaHeads(MedusaConfig(**config)))
+        meta, heads = load_head(folder, "medusa", target, lambda config: MedusaHeads(MedusaConfig(**config)))
         return cls(heads, meta["report"]["top_accuracy"], **kwargs)
 
     @property

@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.planner.estimates import RunningRate
+from specdecode.planner.tuning import NGRAM_PRIOR_RATE, NGRAM_PRIOR_WEIGHT
 
-PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # the running acceptance rate starts as 1 accepted out of 2 tried
 
 
 class NgramDrafter(Drafter):
@@ -37,7 +38,7 @@ class NgramDrafter(Drafter):
         return NgramDrafter(self.max_ngram, self.min_ngram, self.branches)
 
     def reset(self) -> None:
-        self.tried, self.hits = PRIOR_WEIGHT, PRIOR_RATE * PRIOR_WEIGHT
+        self.rate = RunningRate(NGRAM_PRIOR_RATE, NGRAM_PRIOR_WEIGHT)  # children accepted, per node tried
         self.parents: list[int] = []
         self.index = NgramIndex(self.min_ngram, self.max_ngram)
 
@@ -48,7 +49,7 @@ class NgramDrafter(Drafter):
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         tokens, parents, share = trie(self.lookup(ctx, min(max_tokens, ctx.max_depth)), max_tokens)
         self.parents = parents
-        rate = self.hits / self.tried
+        rate = self.rate.value
         scores: list[float] = []
         for parent, fraction in zip(parents, share):
             scores.append((1.0 if parent < 0 else scores[parent]) * rate * fraction)
@@ -61,8 +62,7 @@ class NgramDrafter(Drafter):
         on_path = [-1] + accepted
         for i, node in enumerate(on_path):
             if node in has_children:
-                self.tried += 1
-                self.hits += i + 1 < len(on_path)
+                self.rate.add(i + 1 < len(on_path), 1)
 
     passed_over = commit  # all its commit does is learn, and a draft passed over teaches the same
 

@@ -32,7 +32,9 @@ import torch
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.wrapping import Wrapping
 from specdecode.models.parts import Part
-from specdecode.planner.planner import FIXED, Record
+from specdecode.planner.estimates import RunningRate
+from specdecode.planner.prices import FIXED, Record
+from specdecode.planner.tuning import PREDICTION_RETRY_AFTER
 
 MAX_MATCH = 8  # the longest output suffix looked up in the prediction when realigning
 NEAR = 64  # a one-token match is a guess only this close after the anchor (one token is ambiguous)
@@ -41,8 +43,6 @@ NEAR = 64  # a one-token match is a guess only this close after the anchor (one 
 # step far less often.
 PRIORS = {"copy": (0.8, 4.0), "resume": (0.4, 2.0), "replace": (0.25, 2.0), "near": (0.2, 2.0), "replay": (0.6, 2.0)}
 MAX_EDIT = 16  # the longest edit (tokens inserted or removed) remembered to be made again
-RETRY_AFTER = 8  # plain steps off the prediction before the request's own drafter is tried again (not swept)
-CATCH_UP_MAX = 1.0  # target one-row forwards a draft model's catching up may cost for it to draft off the prediction
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class PredictionDrafter(Wrapping):
     def reset(self) -> None:
         self.inner.reset()
         self.expected = 0  # index in the prediction of the next output token's counterpart (the first: 0)
-        self.rates = {kind: [weight, rate * weight] for kind, (rate, weight) in PRIORS.items()}  # tried, hits
+        self.rates = {kind: RunningRate(rate, weight) for kind, (rate, weight) in PRIORS.items()}  # accepted / shown
         self.accepted = 0  # prediction tokens the target accepted in this request
         self.copied = False  # whether the last draft was copied from the prediction
         self.guesses: list[Guess] = []  # the last draft's guesses
@@ -92,9 +92,11 @@ class PredictionDrafter(Wrapping):
     def proposer(self) -> str:
         return self.name if self.copied else self.inner.proposer
 
+    def prediction_counts(self) -> tuple[int, int] | None:
+        return self.prediction.size, self.accepted
+
     def rate(self, kind: str) -> float:
-        tried, hits = self.rates[kind]
-        return hits / tried
+        return self.rates[kind].value
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -134,12 +136,11 @@ class PredictionDrafter(Wrapping):
         a target forward (a 0.5B draft model feeds ~100 tokens in about 8), which the few tokens of an edit never
         pay back, so it drafts only when that little behind. Its record here counts its catching up too; benched,
         it is tried again now and then."""
-        plan = ctx.plan
-        if plan.costs is not None and self.inner.forward_s > 0.0:
-            behind = self.inner.behind(ctx.tokens)
-            if self.inner.forward_s * plan.costs.cost(behind) / plan.costs.cost(1) > CATCH_UP_MAX * plan.costs.cost(1):
-                return False
-        if self.skipped >= RETRY_AFTER or plan.beats_plain(self.record):
+        plan, forward_s = ctx.plan, self.inner.forward_s
+        if plan.costs is not None and forward_s > 0.0 and plan.catch_up_too_dear(forward_s,
+                                                                                 self.inner.behind(ctx.tokens)):
+            return False
+        if self.skipped >= PREDICTION_RETRY_AFTER or plan.beats_plain(self.record):
             self.skipped = 0
             return True
         return False
@@ -250,8 +251,7 @@ class PredictionDrafter(Wrapping):
                 shown = sum(1 for node in seen if self.node_guess[node] == g)
                 if shown:
                     hits = sum(1 for node in accepted if self.node_guess[node] == g)
-                    self.rates[guess.kind][0] += min(hits + 1, shown)
-                    self.rates[guess.kind][1] += hits
+                    self.rates[guess.kind].add(hits, min(hits + 1, shown))
             if accepted:  # the step's last token (the target's own) is expected to follow the last one accepted
                 if self.left is not None and self.node_at[accepted[-1]] >= self.left[0]:  # back on the prediction
                     taken = [self.node_token[node] for node in accepted]

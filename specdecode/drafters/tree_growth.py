@@ -24,8 +24,9 @@ import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.models.parts import RowSlots
-from specdecode.planner.planner import (FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR, MODEL_TRUST_RANGE,
-                                running_mean)
+from specdecode.planner.estimates import RunningMean, RunningRate
+from specdecode.planner.tuning import (FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR,
+                                      MODEL_TRUST_RANGE)
 from specdecode.sampling import greedy_topk_lists, gumbel_topk, to_probs
 
 Request = TypeVar("Request")
@@ -51,7 +52,7 @@ class ForwardTime:
     costs on this machine is no single request's to learn. The forks in one batched forward each report their
     share: the reports since the last reading make one sample."""
 
-    mean: float = 0.0
+    mean: RunningMean = field(default_factory=lambda: RunningMean(FORWARD_WEIGHT))
     reports: list[float] = field(default_factory=list)
 
     def took(self, seconds: float) -> None:
@@ -60,9 +61,9 @@ class ForwardTime:
     @property
     def seconds(self) -> float:
         if self.reports:
-            self.mean = running_mean(self.mean or None, sum(self.reports) / len(self.reports), FORWARD_WEIGHT)
+            self.mean.add(sum(self.reports) / len(self.reports))
             self.reports.clear()
-        return self.mean
+        return self.mean.value or 0.0
 
 
 class DepthTrust:
@@ -73,14 +74,16 @@ class DepthTrust:
     say "as promised" (planner.py)."""
 
     def __init__(self) -> None:
-        self.promised = [0.0, 0.0]  # first depth, deeper ones
-        self.given = [0.0, 0.0]
+        # first depth, deeper ones: accepted (hits) over promised (tried), the prior kept beside the evidence
+        self.rates = [RunningRate(1.0, MODEL_TRUST_PRIOR, MODEL_TRUST_DECAY, kept=True) for _ in range(2)]
+
+    @property
+    def promised(self) -> list[float]:
+        return [rate.tried for rate in self.rates]
 
     def factor(self, depth: int) -> float:
-        deeper = depth > 1
         low, high = MODEL_TRUST_RANGE
-        value = (self.given[deeper] + MODEL_TRUST_PRIOR) / (self.promised[deeper] + MODEL_TRUST_PRIOR)
-        return min(high, max(low, value))
+        return min(high, max(low, self.rates[depth > 1].value))
 
     def follow(self, depth: int) -> float:
         """P(the best child of a node at `depth` is accepted | the node is): FOLLOW, as believed at its depth."""
@@ -88,15 +91,12 @@ class DepthTrust:
 
     def add(self, nodes: list[Node], verified: list[int], accepted: set[int]) -> None:
         """A draft's `nodes`, of which `verified` (indices into them) were verified and `accepted` accepted."""
-        for bucket in (0, 1):
-            self.promised[bucket] *= MODEL_TRUST_DECAY
-            self.given[bucket] *= MODEL_TRUST_DECAY
+        for rate in self.rates:
+            rate.fade()
         for i in verified:
             node = nodes[i]
             if node.parent < 0 or node.parent in accepted:
-                deeper = node.depth > 1
-                self.promised[deeper] += node.prob
-                self.given[deeper] += i in accepted
+                self.rates[node.depth > 1].add(i in accepted, node.prob)
 
 
 class GrowsTrees(Drafter):

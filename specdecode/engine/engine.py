@@ -40,7 +40,8 @@ from specdecode.models.kv_cache import KVCache, bytes_per_token
 from specdecode.models.model import Transformer, prompt_as_decode_rows, rows_exact
 from specdecode.models.parts import Part
 from specdecode.drafters.prediction import PredictionDrafter
-from specdecode.planner.planner import MAX_AUTO_NODES, PREDICTION_DRAFT_TOKENS, Planner
+from specdecode.planner.planner import Planner
+from specdecode.planner.tuning import MAX_AUTO_NODES
 from specdecode.models.prompt_cache import PromptCache
 from specdecode.models.spare_cache import SpareCache
 from specdecode.engine.sequence import Sequence, Step
@@ -169,8 +170,7 @@ class Engine:
         k = self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
         if prediction is not None:
             drafter = PredictionDrafter(drafter, prediction)
-            if k == 0:  # a method that never drafts still copies the prediction: sized by the planner where the
-                k = None if self.costs is not None else PREDICTION_DRAFT_TOKENS  # curve is known, else fixed
+            k = self.planner.prediction_size(k)  # a method that never drafts still copies the prediction
         seq = Sequence(prompt_ids, params, drafter, cache, self.max_len, self.eos, k, self.target.device,
                        self.target.config.vocab_size)
         seq.stats.verify_costs = self.costs if seq.auto else None
@@ -184,7 +184,7 @@ class Engine:
         # a lent cache (only to a request that starts alone) may be larger than this one needs: the budget counts
         # what it holds
         self.reserved[seq] = max(need, cache.max_len) if cache is spare else need
-        self.planner.join(seq)
+        self.planner.join(id(seq))
         return seq
 
     def remove(self, seq: Sequence) -> None:
@@ -192,7 +192,7 @@ class Engine:
         if seq in self.reserved:
             self.running.remove(seq)
             del self.reserved[seq]
-            self.planner.leave(seq)
+            self.planner.leave(id(seq))
             for other in self.running:
                 if other.leader is seq:  # its prefill will never come: it prefills on its own
                     other.leader = None
@@ -290,7 +290,7 @@ class Engine:
                             self.unstored.append(seq)  # it leaves (with its answer): a copy only where it can serve
                 else:
                     step = seq.verified(logits, hidden)
-                    self.planner.learn(seq, step)
+                    self.planner.learn(seq.record(), step.num_accepted)
             except Exception as e:  # noqa: BLE001 - a drafter's bug must cost one request, not the batch
                 results.append((seq, e))
                 continue
@@ -332,15 +332,15 @@ class Engine:
     def _draft(self, decoding: list[Sequence], prefill_rows: int) -> list[tuple[Sequence, Exception]]:
         """The requests the planner chooses propose; the others decode plainly this step. Then the planner cuts
         the automatic drafts together."""
-        chosen = self.planner.choose(decoding, prefill_rows)
+        chosen = self.planner.choose([seq.record(gating=len(decoding) > 1) for seq in decoding], prefill_rows)
         asked: list[tuple[Sequence, int, DraftContext]] = []  # (request, budget, context) of those who draft
         early: list[tuple[Sequence, Exception]] = []
         for seq in decoding:
-            if seq not in chosen:
+            if id(seq) not in chosen:
                 seq.skip_draft()  # its drafter catches up when it drafts again
                 continue
             try:  # the grammar's forced tokens are read here: a grammar's failure costs this request alone
-                budget, ctx = seq.draft_request(self.planner.plan(seq, len(decoding), prefill_rows))
+                budget, ctx = seq.draft_request(self.planner.plan(seq.auto, len(decoding), prefill_rows))
                 if not seq.proposed:  # nothing to draft, or the grammar's forced tokens
                     seq.proposed_draft(Draft.empty(self.target.device))
             except Exception as e:  # noqa: BLE001
@@ -350,7 +350,11 @@ class Engine:
                 asked.append((seq, budget, ctx))
         failed = early + self._propose_all(asked)
         broken = {id(s) for s, _ in failed}
-        self.planner.cut([s for s in decoding if id(s) not in broken], prefill_rows)
+        live = [s for s in decoding if id(s) not in broken]
+        kept = self.planner.cut([s.record() for s in live], prefill_rows)
+        for seq in live:
+            if id(seq) in kept:
+                seq.keep_best(kept[id(seq)])
         return failed
 
     def _propose_all(self, asked: list[tuple[Sequence, int, DraftContext]]) -> list[tuple[Sequence, Exception]]:

@@ -21,12 +21,13 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
-from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.errors import SpecdecodeError
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.masks import tree_row_slots
 from specdecode.models.parts import Part, RowSlots, chain_part
-from specdecode.planner.planner import MAX_AUTO_NODES, StepPlan
+from specdecode.planner.planner import Request
+from specdecode.planner.prices import StepPlan
+from specdecode.planner.tuning import MAX_AUTO_NODES
 from specdecode.rules import OutputRules
 from specdecode.sampling import greedy_tokens, make_generator, sample, to_probs
 from specdecode.engine.stats import GenerationStats
@@ -56,7 +57,6 @@ class Sequence:
         self.tokens = list(prompt_ids)
         self.params = params
         self.drafter = drafter
-        self.prediction = drafter if isinstance(drafter, PredictionDrafter) else None  # Predicted Outputs
         self.cache = cache
         self.max_len = max_len
         self.num_draft_tokens = num_draft_tokens
@@ -65,8 +65,8 @@ class Sequence:
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.generator = None if params.greedy else make_generator(params.seed, device)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        if self.prediction is not None:
-            self.stats.prediction_tokens = self.prediction.prediction.size
+        if (counts := drafter.prediction_counts()) is not None:  # Predicted Outputs
+            self.stats.prediction_tokens = counts[0]
         self.stats.draft_budget = "auto" if self.auto else num_draft_tokens
         self.fed = 0  # prompt tokens in the cache so far
         # Target hidden states for the drafter: of the last step's emitted tokens, or, for a drafter that reads
@@ -191,6 +191,15 @@ class Sequence:
     def keep_best(self, count: int) -> None:
         self.draft = self.draft.best(count)
 
+    def record(self, gating: bool = False) -> Request:
+        """What the planner reads of this request now: plain values, no reference to it. `gating`: the planner
+        weighs whether it drafts against other requests, so how far its drafter is behind is asked too."""
+        drafter, stats, draft = self.drafter, self.stats, self.draft
+        behind = drafter.behind(self.tokens) if gating else 0
+        return Request(id(self), self.auto, self.proposed, draft.scores, len(draft), self.draft_seconds,
+                       drafter.forward_model is not None, drafter.forward_s if behind > 2 else 0.0,
+                       stats.accepted_tokens, stats.drafts, self.params.max_new_tokens - stats.new_tokens, behind)
+
     def verify_part(self) -> Part:
         """[root, *draft]: a node's rotary position is its depth (a chain's: its index); it sees the prefix, the
         root and its own ancestors. The tree's layout is worked out on lists: a draft has a few nodes, and tensor
@@ -245,8 +254,8 @@ class Sequence:
             self._show_target(torch.tensor([self.tokens[-1], *draft.token_list]), logits, draft.origin)
         if self.proposed:  # a drafter that was not asked has nothing to roll back or learn from
             self.drafter.commit(draft.as_proposed(accepted), draft.origin)
-            if self.prediction is not None:
-                self.stats.accepted_prediction_tokens = self.prediction.accepted
+            if (counts := self.drafter.prediction_counts()) is not None:
+                self.stats.accepted_prediction_tokens = counts[1]
         rows = [0] + [node + 1 for node in accepted]  # the row each emitted token was sampled from
         step = self._finish(verdict.emitted, len(draft), len(accepted), logits, rows)
         step.drafter = ("grammar" if self.free_draft else self.drafter.proposer) if len(draft) else None

@@ -16,7 +16,6 @@ import fcntl
 import functools
 import hashlib
 import logging
-import os
 import platform
 import shutil
 import sys
@@ -27,7 +26,6 @@ from types import ModuleType
 import torch
 
 from specdecode import settings
-from specdecode.errors import SpecdecodeError
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "activation_cpu.cpp", "argmax_cpu.cpp", "sample_cpu.cpp", "embedding_cpu.cpp", "cache_cpu.cpp", "layer_cpu.cpp", "bindings.cpp")]

@@ -26,7 +26,6 @@ computed as its own one-token forward would be: a request's output does not depe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +34,7 @@ from torch import nn
 from specdecode.config import ModelConfig
 from specdecode.kernels import cpu_kernels
 from specdecode.models.kv_cache import KVCache
-from specdecode.models.masks import chain_mask
-from specdecode.models.parts import Part, Segment, ids_and_positions, row_slots
+from specdecode.models.parts import Part, Segment, row_slots
 
 
 class RMSNorm(nn.Module):
