@@ -1,6 +1,7 @@
 """The method table: for each `--method`, its drafter factory, its default shape and what `--draft` names for it.
-The Python API (api.py), the command-line flags (cli_args.py) and the benchmark (bench/) all read it; it is the
-only place a method name is mapped to behaviour. A new drafter is one file in drafters/ and one row here.
+The Python API (api.py), the command-line flags (cli_args.py), the benchmark (bench/), the advisor (advise/) and
+the server all read it; it is the only place a method name is mapped to behaviour. A new drafter is one file in
+drafters/ and one row here, or, from outside the package, one `register` call before the CLI or the API runs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Method:
     shaped: bool  # whether --draft-shape changes it (the benchmark can run NAME-chain and NAME-tree side by side)
     build: Callable[[Models, bool, int], Drafter]  # (models, tree?, max_ngram) -> the drafter
     remembers: bool = False  # drafts from earlier answers (Models.suffix_pool, --suffix-pool-mb, --suffix-pool)
+    advised: bool = False  # `specdecode advise` measures it by default (with each draft model, where it runs one)
 
     @property
     def drafts(self) -> bool:
@@ -112,26 +114,45 @@ def _ngram(models: Models, tree: bool, max_ngram: int) -> NgramDrafter:
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("none", "plain decoding through the same engine: the baseline", None, "chain", False,
-           lambda models, tree, max_ngram: NoDrafter()),
+           lambda models, tree, max_ngram: NoDrafter(), advised=True),
     Method("draft", "a smaller model drafts every step (one with another tokenizer drafts text, mapped to the "
            "target's tokens)", "model", "tree", True,
-           _draft_model),
+           _draft_model, advised=True),
     Method("ngram", "prompt lookup: copies what followed an earlier match of the last tokens", None, "tree", True,
-           _ngram),
+           _ngram, advised=True),
     Method("recycle", "token recycling: the target's own earlier top guesses after each token, grown into a tree",
            None, "tree", True, _recycle),
     Method("lookahead", "lookahead decoding: a Jacobi window rides in the verify forward; the n-grams the target "
            "endorses on it are drafted", None, "tree", False, _lookahead),
     Method("suffix", "suffix decoding: the most frequent continuations of the longest match, in this request and "
-           "in earlier answers (a pool shared by the server's requests)", None, "tree", True, _suffix, remembers=True),
+           "in earlier answers (a pool shared by the server's requests)", None, "tree", True, _suffix, remembers=True,
+           advised=True),
     Method("hybrid", "each step the drafter expected to pay most: prompt lookup, suffix decoding or the draft "
-           "model (the default)", "model", "tree", True, _hybrid, remembers=True),
+           "model (the default)", "model", "tree", True, _hybrid, remembers=True, advised=True),
     Method("eagle", "a trained EAGLE head over the target's features drafts a tree", "eagle", "tree", True, _eagle),
     Method("medusa", "trained Medusa heads draft a static tree", "medusa", "tree", False, _medusa),
     Method("hybrid-eagle", "prompt lookup where it pays, else a trained EAGLE head", "eagle", "tree", False,
            lambda models, tree, max_ngram: HybridDrafter(_eagle(models, tree, max_ngram), max_ngram)),
 )}
 DEFAULT_METHOD = "hybrid"
+
+
+def register(method: Method) -> None:
+    """Add a method to the table: a drafter defined outside the package (a plugin, a test). Call it before the
+    command-line parsers are built (they list the table's names) or the API loads a decoder."""
+    if method.name in METHODS:
+        raise SpecdecodeError(f"a method named '{method.name}' exists already")
+    METHODS[method.name] = method
+
+
+def unregister(name: str) -> None:
+    """Take a `register`ed method out of the table again."""
+    METHODS.pop(name, None)
+
+
+def heads() -> set[str]:
+    """The kinds of trained head some method runs (what a --draft folder of `specdecode train` may hold)."""
+    return {m.head for m in METHODS.values() if m.head is not None}
 
 
 def get_method(name: str) -> Method:

@@ -433,7 +433,7 @@ def test_the_answers_log_is_repaired_by_truncation_and_bad_lines_are_skipped(tmp
 
 
 def test_a_trained_folder_is_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
-    from specdecode.drafters import store
+    from specdecode.weights import store
 
     target = tiny_native("qwen2", seed=0)
     out = tmp_path / "head"

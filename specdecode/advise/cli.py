@@ -23,6 +23,7 @@ from specdecode.advise.measure import measure
 from specdecode.advise.prompts import prompts_from_data
 from specdecode.advise.recommend import advice, summaries, table
 from specdecode.errors import SpecdecodeError
+from specdecode.methods import METHODS, heads
 
 MIN_BUDGET_S = 30  # a warm-up per candidate and one prompt each: less measures nothing
 
@@ -99,10 +100,13 @@ def candidate_list(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if args.candidates:
         names = parse_methods(args.candidates)
         return {n: {"method": with_draft(n)[0], "draft": with_draft(n)[1]} for n in names}
-    out: dict[str, dict[str, Any]] = {n: {"method": n, "draft": None} for n in ("none", "ngram", "suffix")}
+    advised = [m for m in METHODS.values() if m.advised]
+    out: dict[str, dict[str, Any]] = {m.name: {"method": m.name, "draft": None} for m in advised
+                                      if not m.needs_draft_model}
     for draft in dict.fromkeys(same_family_drafts(args.target) + args.draft):
-        for method in ("draft", "hybrid"):
-            out[f"{method}@{draft}"] = {"method": method, "draft": draft}
+        for method in advised:
+            if method.needs_draft_model:
+                out[f"{method.name}@{draft}"] = {"method": method.name, "draft": draft}
     for folder in args.head:
         kind = _head_kind(folder)
         out[kind] = {"method": kind, "draft": folder}
@@ -110,11 +114,12 @@ def candidate_list(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def _head_kind(folder: str) -> str:
-    from specdecode.drafters.store import read_meta
+    from specdecode.weights.store import read_meta
 
     kind = read_meta(folder).get("kind")
-    if kind not in ("eagle", "medusa"):
-        raise SpecdecodeError(f"--head {folder}: holds a '{kind}' drafter, not an EAGLE or Medusa head")
+    if kind not in heads():
+        raise SpecdecodeError(f"--head {folder}: holds a '{kind}' drafter, not a head a method runs "
+                              f"({', '.join(sorted(heads()))})")
     return kind
 
 
@@ -130,13 +135,13 @@ def same_family_drafts(target: str) -> list[str]:
 
 def load_candidates(args: argparse.Namespace, candidates: dict[str, dict[str, Any]]):
     from specdecode.api import DEFAULT_DRAFT, verify_costs
-    from specdecode.bench.loaders import build_runners, load_models
+    from specdecode.bench.loaders import build_runners, head_of, load_models, needs_draft_model
     from specdecode.weights.loading import plan_load
 
-    drafts = [c["draft"] or DEFAULT_DRAFT for c in candidates.values() if c["method"] in ("draft", "hybrid")]
+    drafts = [c["draft"] or DEFAULT_DRAFT for c in candidates.values() if needs_draft_model(c["method"])]
     plan = plan_load(args.target, drafts[0] if drafts else None, args.dtype, args.device, args.quantize,
                      args.draft_quantize, args.weights)
-    trained = {c["method"]: c["draft"] for c in candidates.values() if c["method"] in ("eagle", "medusa")}
+    trained = {c["method"]: c["draft"] for c in candidates.values() if head_of(c["method"]) is not None}
     models = load_models(args.target, DEFAULT_DRAFT, list(candidates), plan, args.device, args.draft_vocab,
                          args.draft_vocab_corpus, trained)
     costs = verify_costs(models.target, args.target, plan, args.device)

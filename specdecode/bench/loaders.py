@@ -79,6 +79,12 @@ def needs_draft_model(method: str) -> bool:
     return name in METHODS and METHODS[name].needs_draft_model
 
 
+def head_of(method: str) -> str | None:
+    """The kind of trained head a method of ours runs ('eagle-tree' -> 'eagle'); None for the others."""
+    name = drafter_and_shape(method)[0]
+    return METHODS[name].head if name in METHODS else None
+
+
 def parse_methods(text: str) -> list[str]:
     """'none,draft,hf' -> a checked list without duplicates; the baseline `none` is always run (first)."""
     methods = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))

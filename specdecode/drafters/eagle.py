@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.store import load_head
+from specdecode.weights.store import load_head
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees, Node
 from specdecode.models.kv_cache import KVCache

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.drafters.store import load_head
+from specdecode.weights.store import load_head
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 
 @dataclass(slots=True)

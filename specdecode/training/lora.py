@@ -12,8 +12,8 @@ import torch
 
 from specdecode.errors import SpecdecodeError
 from specdecode.weights.loading import LoadPlan, load_model
-from specdecode.drafters import store
-from specdecode.drafters.lora import KIND
+from specdecode.weights import store
+from specdecode.weights.lora import KIND
 from specdecode.training.features import Features
 from specdecode.training.loop import optimize, packed_batches
 

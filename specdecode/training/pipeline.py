@@ -10,7 +10,7 @@ from pathlib import Path
 from specdecode.weights import hub
 from specdecode.errors import SpecdecodeError
 from specdecode.weights.loading import load_model, plan_load
-from specdecode.drafters import store
+from specdecode.weights import store
 from specdecode.training import features as feature_cache
 from specdecode.training.data import data_key, expand, read_examples, sample
 

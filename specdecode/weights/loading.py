@@ -241,7 +241,7 @@ def load_draft(source: str, plan: LoadPlan, device: str, target_tokenizer: Any, 
                                   "them ships no tokenizer to map text between them")
         bridge = TokenBridge.between(target_tokenizer, tokenizer, target, source)
     elif adapter is not None:
-        from specdecode.drafters.lora import apply_adapter
+        from specdecode.weights.lora import apply_adapter
 
         apply_adapter(model, adapter, source)
     narrow = plan.draft_quantize if weights == "stored" else "none"

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode.errors import SpecdecodeError
+from specdecode.weights.quantize import quantize_
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
@@ -94,8 +95,6 @@ def load_head(folder: str | Path, kind: str, target: torch.nn.Module,
     """-> (config.json, the trained module `build(config)` filled with its weights, on the target's device). On a
     CPU its linear layers go to 8-bit blocks: a quarter of the bytes a draft step reads, and the output stays the
     target's (a drafter's precision changes only its guesses)."""
-    from specdecode.weights.quantize import quantize_
-
     meta, tensors = load(folder, kind, target)
     module = build(meta["config"])
     module.load_state_dict(tensors)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecdecodeError
-from specdecode.drafters.store import load
+from specdecode.weights.store import load
 
 KIND = "draft"
 
