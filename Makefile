@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, with a docstring and tests.
 
-.PHONY: setup dev demo test clean browser
+.PHONY: setup dev demo test lint clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,11 @@ browser:
 
 # Test files spread over the CPUs (each file on one worker, so a module's loaded models are loaded once): most
 # tests are single-threaded Python over toy models, and on 2 cores the suite took 5 min instead of 13.
-test: dev browser
+test: dev browser lint
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=20
+
+lint: dev
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

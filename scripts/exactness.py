@@ -23,8 +23,8 @@ from specdecode import SamplingParams, SpecDecoder
 from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, verify_costs
 from specdecode.bench.loaders import drafter_and_shape
 from specdecode.drafters import NoDrafter
-from specdecode.weights.loading import load_models, plan_load
 from specdecode.methods import build_drafter
+from specdecode.weights.loading import load_models, plan_load
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

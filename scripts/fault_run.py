@@ -46,10 +46,10 @@ def inject_faults() -> None:
 
     add, step, drop = Engine.add, Engine.step, Scheduler._drop_cancelled
 
-    def faulty_add(self, prompt_ids, params, num_draft_tokens=None):
+    def faulty_add(self, prompt_ids, params, *rest, **options):  # Engine.add's further arguments passed on as given
         if params.max_new_tokens == ADMIT:
             raise RuntimeError("injected fault: admission")
-        return add(self, prompt_ids, params, num_draft_tokens)
+        return add(self, prompt_ids, params, *rest, **options)
 
     def faulty_step(self):
         if any(s.params.max_new_tokens == STEP and len(s.tokens) - s.stats.prompt_tokens >= 3 for s in self.running):

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import time
 import traceback
 from pathlib import Path
@@ -256,8 +255,8 @@ def engine(args, device) -> dict:
     """Greedy identity of every method against `none`, the target drafting for itself where a draft model runs:
     eager, and with the lone request's forwards replayed as CUDA graphs (cuda_graphs.py)."""
     from specdecode.engine.engine import Engine
-    from specdecode.weights.loading import Models
     from specdecode.methods import build_drafter
+    from specdecode.weights.loading import Models
 
     shape = TOY if args.small else SMOL
     out = {}
@@ -317,8 +316,8 @@ def engine_speed(args, device) -> dict:
     (random: its guesses are wrong, so this prices its drafting). tok/s of a second run (the first captures)."""
     from specdecode.drafters import NoDrafter
     from specdecode.engine.engine import Engine
-    from specdecode.weights.loading import Models
     from specdecode.methods import build_drafter
+    from specdecode.weights.loading import Models
 
     dtype = getattr(torch, args.speed_dtype)
     model = random_model(TOY if args.small else LLAMA_8B, dtype, device, seed=3)

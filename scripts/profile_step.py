@@ -33,9 +33,9 @@ import torch
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.kernels import cpu_kernels, cpu_model, prefetch_hint, simd_flags
-from specdecode.weights.loading import load_model
 from specdecode.models.masks import chain_mask
 from specdecode.models.parts import Part  # not chain_part: the script also profiles checkouts from before it
+from specdecode.weights.loading import load_model
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -258,8 +258,8 @@ class SelfTimer:
 def instrument(sd: SpecDecoder, timer: SelfTimer) -> None:
     """Charge every part of an engine step to a category: methods of this engine's objects and of their classes,
     and the verifiers as sequence.py calls them, wrapped until `timer.restore()`."""
-    from specdecode.engine import sequence
     from specdecode.drafters import tree_growth
+    from specdecode.engine import sequence
 
     engine = sd.engine
     timer.wrap(engine, "step", "engine glue")

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from specdecode.weights.loading import load_model
 from specdecode.models.masks import chain_mask
 from specdecode.models.model import prompt_as_decode_rows
+from specdecode.weights.loading import load_model
 
 FORMS = {  # form -> (dtype, quantize, weights)
     "stored": (torch.float32, "none", "stored"),

@@ -11,26 +11,28 @@ drafted-and-accepted or not, and applies stop strings; the engine below it sees 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
-from specdecode.planner.budget import CostCurve, load_cached, load_or_measure
 from specdecode.config import SamplingParams, choice_seed
 from specdecode.drafters import Drafter
 from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB, open_pool
 from specdecode.engine.engine import Engine, Step
-from specdecode.errors import SpecdecodeError
-from specdecode.weights.loading import LoadPlan, load_models, plan_load
-from specdecode.methods import DEFAULT_METHOD, build_drafter, get_method, shape_of, trained_folder
-from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB, PromptCache, check_size
-from specdecode.rules.grammar import Constraint, GrammarCompiler
 from specdecode.engine.sequence import TokenLogprob
 from specdecode.engine.stats import GenerationStats
+from specdecode.errors import SpecdecodeError
+from specdecode.methods import DEFAULT_METHOD, build_drafter, get_method, shape_of, trained_folder
+from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB, PromptCache, check_size
+from specdecode.planner.budget import CostCurve, load_cached, load_or_measure
+from specdecode.rules.grammar import Constraint, GrammarCompiler
 from specdecode.text.stream import TextStream
+from specdecode.weights.loading import LoadPlan, load_models, plan_load
 from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -62,6 +64,42 @@ class Generation:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (SamplingParams.prompt_logprobs)
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """How `SpecDecoder.load` loads a target and its drafter; the CLI's and the server's flags map onto it.
+
+    `weights` = 'auto' runs a GGUF file's quantized blocks as stored on CPU (the model llama.cpp runs), 'float'
+    de-quantizes it to `dtype`. `quantize` writes a float target in blocks (q8_0, q4_k; the output stays exact for
+    that target); `draft_quantize` only changes how good and how cheap the guesses are. `num_draft_tokens` None
+    chooses the draft size per step from what a verify forward costs on this machine (measured once and cached);
+    `draft_shape` 'tree' drafts several guesses per position, 'chain' one (None: the method's default,
+    methods.METHODS). `draft_vocab` cuts the draft's LM head to that many frequent tokens (0: whole vocabulary),
+    counted on `draft_vocab_corpus` (jsonl files) or on the instruction data shipped for the vocabulary. Methods
+    with a trained head (`eagle`, `hybrid-eagle`, `medusa`) take `draft` = the folder `specdecode train` wrote for
+    this target; `draft_adapter` = a LoRA adapter folder (`specdecode train draft`) applied to the draft model.
+    `suffix_pool_mb`, `suffix_pool`: the memory of earlier answers suffix decoding copies from, and a file that
+    keeps it across runs. `prompt_cache_mb`: memory for recent prompts' keys and values, so that a request sharing
+    a prefix with one (a system prompt, the earlier turns of a chat) computes only the rest (0: off)."""
+
+    method: str = DEFAULT_METHOD
+    draft: str | None = None
+    num_draft_tokens: int | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_len: int = 8192
+    max_ngram: int = 3
+    quantize: str = "none"
+    draft_quantize: str = "auto"
+    weights: str = "auto"
+    draft_shape: str | None = None
+    draft_vocab: int = DEFAULT_HEAD_SIZE
+    draft_vocab_corpus: list[str] | None = None
+    draft_adapter: str | None = None
+    suffix_pool_mb: float = DEFAULT_POOL_MB
+    suffix_pool: str | None = None
+    prompt_cache_mb: float = DEFAULT_PROMPT_CACHE_MB
+
+
 class SpecDecoder:
     def __init__(self, target: torch.nn.Module, tokenizer, drafter: Drafter, method: str,
                  num_draft_tokens: int | None, max_len: int = 8192, costs: CostCurve | None = None,
@@ -74,49 +112,37 @@ class SpecDecoder:
         self._grammars: GrammarCompiler | None = None
 
     @classmethod
-    def load(cls, target: str = DEFAULT_TARGET, draft: str | None = None, method: str = DEFAULT_METHOD,
-             num_draft_tokens: int | None = None, dtype: str = "auto", device: str = "cpu",
-             max_len: int = 8192, max_ngram: int = 3, quantize: str = "none",
-             draft_quantize: str = "auto", weights: str = "auto", draft_shape: str | None = None,
-             draft_vocab: int = DEFAULT_HEAD_SIZE, draft_vocab_corpus: list[str] | None = None,
-             draft_adapter: str | None = None, suffix_pool_mb: float = DEFAULT_POOL_MB,
-             suffix_pool: str | None = None, prompt_cache_mb: float = DEFAULT_PROMPT_CACHE_MB) -> SpecDecoder:
-        """`weights` = 'auto' runs a GGUF file's quantized blocks as stored on CPU (the model llama.cpp runs),
-        'float' de-quantizes it to `dtype`. `quantize` writes a float target in blocks (q8_0, q4_k; the output
-        stays exact for that target); `draft_quantize` only changes how good and how cheap the guesses are.
-        `num_draft_tokens` None chooses the draft size per step from what a verify forward costs on this machine
-        (measured once and cached); `draft_shape` 'tree' drafts several guesses per position, 'chain' one
-        (None: the method's default, methods.METHODS).
-        `draft_vocab` cuts the draft's LM head to that many frequent tokens (0: whole vocabulary), counted on
-        `draft_vocab_corpus` (jsonl files) or on the instruction data shipped for the vocabulary.
-        Methods `eagle`, `hybrid-eagle` and `medusa` take `draft` = the folder `specdecode train` wrote for this
-        target;
-        `draft_adapter` = a LoRA adapter folder (`specdecode train draft`) applied to the draft model.
-        `suffix_pool_mb`, `suffix_pool`: the memory of earlier answers suffix decoding copies from, and a file
-        that keeps it across runs. `prompt_cache_mb`: memory for recent prompts' keys and values, so that a
-        request sharing a prefix with one (a system prompt, the earlier turns of a chat) computes only the rest
-        (0: off)."""
+    def load(cls, target: str = DEFAULT_TARGET, options: LoadOptions | None = None, **overrides: Any) -> SpecDecoder:
+        """Load `target` and its drafter as `options` say (LoadOptions' defaults where None), any field of them
+        also given by name: `SpecDecoder.load("qwen2.5-coder-1.5b-instruct", method="ngram")`."""
+        try:
+            options = replace(options or LoadOptions(), **overrides)
+        except TypeError as e:  # a name that is not a field: say which ones there are
+            fields = ", ".join(f.name for f in dataclasses.fields(LoadOptions))
+            raise SpecdecodeError(f"SpecDecoder.load: {e}; the options are {fields}") from None
+        o = options
+        method, draft, num_draft_tokens, device = o.method, o.draft, o.num_draft_tokens, o.device
         how = get_method(method)
-        check_size(prompt_cache_mb)  # a bad size fails here, before any model loads
-        shape = shape_of(method, draft_shape)
+        check_size(o.prompt_cache_mb)  # a bad size fails here, before any model loads
+        shape = shape_of(method, o.draft_shape)
         trained = trained_folder(method, draft)
         draft = (draft or DEFAULT_DRAFT) if how.needs_draft_model else None
-        if draft_adapter is not None and not how.needs_draft_model:
+        if o.draft_adapter is not None and not how.needs_draft_model:
             raise SpecdecodeError("--draft-adapter applies to --method draft or hybrid (a LoRA adapter of the draft "
                                   "model)")
         if num_draft_tokens is not None and num_draft_tokens < 0:
             raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
-        plan = plan_load(target, draft, dtype, device, quantize, draft_quantize, weights)
-        models = load_models(target, draft, plan, device, draft_adapter, draft_vocab, draft_vocab_corpus, trained)
+        plan = plan_load(target, draft, o.dtype, device, o.quantize, o.draft_quantize, o.weights)
+        models = load_models(target, draft, plan, device, o.draft_adapter, o.draft_vocab, o.draft_vocab_corpus, trained)
         if how.remembers:
-            models.suffix_pool = open_pool(suffix_pool_mb, suffix_pool, models.tokenizer)
-        drafter = build_drafter(method, models, shape, max_ngram)
+            models.suffix_pool = open_pool(o.suffix_pool_mb, o.suffix_pool, models.tokenizer)
+        drafter = build_drafter(method, models, shape, o.max_ngram)
         k = num_draft_tokens if how.drafts else 0
         if k is None:
             costs = verify_costs(models.target, target, plan, device)
         else:  # a method that never drafts sizes a prediction's copies by the curve if any method measured it here
             costs = cached_costs(target, plan, device) if k == 0 else None
-        return cls(models.target, models.tokenizer, drafter, method, k, max_len, costs, prompt_cache_mb)
+        return cls(models.target, models.tokenizer, drafter, method, k, o.max_len, costs, o.prompt_cache_mb)
 
     @property
     def stats(self) -> GenerationStats:

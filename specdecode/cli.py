@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import sys
+from dataclasses import replace
 
 from specdecode.advise.cli import add_parser as add_advise_parser
 from specdecode.bench.cli import add_parser as add_bench_parser

@@ -5,12 +5,13 @@ import cycle."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdecode.config import SamplingParams
+from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB
 from specdecode.errors import SpecdecodeError
 from specdecode.methods import DEFAULT_METHOD, METHODS, SHAPES
-from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB
 from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB
 from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE
 
@@ -95,13 +96,11 @@ def logit_bias(items: list[str]) -> dict[int, float]:
 
 
 def decoder_kwargs(args: argparse.Namespace) -> dict:
-    """The model flags as SpecDecoder.load's keyword arguments."""
-    return dict(target=args.target, draft=args.draft, method=args.method, num_draft_tokens=args.num_draft_tokens,
-                dtype=args.dtype, device=args.device, max_len=args.max_len, quantize=args.quantize,
-                draft_quantize=args.draft_quantize, weights=args.weights, draft_shape=args.draft_shape,
-                draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,
-                draft_adapter=args.draft_adapter, suffix_pool_mb=args.suffix_pool_mb, suffix_pool=args.suffix_pool,
-                prompt_cache_mb=args.prompt_cache_mb)
+    """The model flags as SpecDecoder.load's arguments: the target and LoadOptions' fields."""
+    from specdecode.api import LoadOptions
+
+    return {"target": args.target} | {f.name: getattr(args, f.name) for f in dataclasses.fields(LoadOptions)
+                                      if hasattr(args, f.name)}
 
 
 def load_decoder(args: argparse.Namespace):

@@ -10,17 +10,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.drafters import (Drafter, DraftModelDrafter, EagleDrafter, HybridDrafter, MedusaDrafter,
-                                 NgramDrafter, NoDrafter)
-from specdecode.drafters import draft_model, recycle, suffix
+from specdecode.drafters import (
+    Drafter,
+    DraftModelDrafter,
+    EagleDrafter,
+    HybridDrafter,
+    MedusaDrafter,
+    NgramDrafter,
+    NoDrafter,
+    draft_model,
+    recycle,
+    suffix,
+)
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
-from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.drafters.hybrid import NGRAM_BRANCHES
 from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.recycle import RecycleDrafter
-from specdecode.drafters.hybrid import NGRAM_BRANCHES
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.errors import SpecdecodeError
-from specdecode.weights.loading import Models
 from specdecode.planner.tuning import DRAFT_MIN_CONFIDENCE, DRAFT_WINDOW
+from specdecode.weights.loading import Models
 
 SHAPES = ("chain", "tree")
 

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from specdecode.weights import hub
 from specdecode.advise.prompts import prompts_from_data
 from specdecode.advise.recommend import PAYS, advice, table
 from specdecode.cli import main
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
+from specdecode.weights import hub
 
 
 def write_lines(path, rows) -> str:

@@ -1,15 +1,15 @@
 """The text layer over the engine: stop strings inside drafts, clear errors for bad input."""
 
 import pytest
+from test_text import ByteTokenizer
+from tiny import tiny_native
+from toy import ScriptedDrafter
 
 from specdecode.api import SpecDecoder
 from specdecode.config import SamplingParams
 from specdecode.drafters import NoDrafter
 from specdecode.errors import SpecdecodeError
 from specdecode.weights.loading import check_same_tokenizer
-from test_text import ByteTokenizer
-from tiny import tiny_native
-from toy import ScriptedDrafter
 
 
 class SmallByteTokenizer(ByteTokenizer):

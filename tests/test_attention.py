@@ -4,12 +4,12 @@ per-row fallback) computes every row, chain or tree, exactly as a one-token forw
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import tiny_native
 
-from specdecode.models import model as model_module
 from specdecode.kernels import cpu_kernels
+from specdecode.models import model as model_module
 from specdecode.models.masks import chain_mask, depths, tree_mask
 from specdecode.weights.quantize import quantize_
-from tiny import tiny_native
 
 kernels = cpu_kernels()
 
@@ -174,8 +174,8 @@ def test_a_native_forward_looks_up_its_token_ids_and_positions_as_python_does(mo
     """A decode forward's embedding rows (a float table, or blocks as a GGUF file stores them) and rotary rows are
     looked up inside the native call (DecoderStack.forward_ids): the same bits as the embedding module's and the
     rotary table's rows handed to it, and as the Python loop."""
-    from specdecode.weights.blocks import quantize_float
     from specdecode.models.native import NativeDecode
+    from specdecode.weights.blocks import quantize_float
     from specdecode.weights.quantize import QuantEmbedding
 
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)

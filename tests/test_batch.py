@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
+from tiny import tiny_native
+from toy import BigramModel, Cycling, assert_exact_distribution, exact_sequence_probs, random_chain
 
 import specdecode.engine.engine as engine_module
-from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.drafters.base import Draft
@@ -17,9 +18,8 @@ from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
 from specdecode.models.masks import chain_mask
+from specdecode.planner.budget import CostCurve
 from specdecode.weights.quantize import quantize_
-from tiny import tiny_native
-from toy import BigramModel, Cycling, assert_exact_distribution, exact_sequence_probs, random_chain
 
 WIDE = dict(hidden_size=256, intermediate_size=512)
 CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))
@@ -211,7 +211,7 @@ def test_draft_model_forwards_are_batched_across_requests_and_draft_the_same(tar
     make = DraftModelDrafter(draft, vocab_size=64, width=2)
     requests = [(prompt, SamplingParams(max_new_tokens=20)) for prompt in PROMPTS]
     engine = Engine(target, make, 3)
-    together, stats = [], []
+    stats = []
     index = {engine.add(p, params): i for i, (p, params) in enumerate(requests)}
     out: dict[int, list[int]] = {}
     while engine.running:

@@ -20,8 +20,8 @@ from specdecode.bench.metrics import find_mismatches, first_difference
 from specdecode.bench.report import build_report, markdown
 from specdecode.bench.runners import TurnResult
 from specdecode.cli import main
-from specdecode.methods import METHODS
 from specdecode.errors import SpecdecodeError
+from specdecode.methods import METHODS
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

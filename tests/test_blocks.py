@@ -7,8 +7,8 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from specdecode.weights.blocks import FORMATS, PackedWeight, from_gguf, narrowed, quantize_float
 from specdecode.kernels import cpu_kernels
+from specdecode.weights.blocks import FORMATS, PackedWeight, from_gguf, narrowed, quantize_float
 from specdecode.weights.quantize import QuantLinear
 
 kernels = cpu_kernels()
@@ -44,7 +44,7 @@ def test_unpacked_blocks_decode_to_what_gguf_reads(type_name):
 
 def integer_reference(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """The kernel's arithmetic, plainly: activations rounded to int8 per superblock, exact integer sums, float64."""
-    f, (out, inp) = w.format, w.shape
+    f, (_, inp) = w.format, w.shape
     xs = x.double().view(x.shape[0], inp // f.superblock, f.superblock)
     xd = (xs.float().abs().amax(-1) / 127).double()  # [M, superblocks], float32 like the kernel
     xq = torch.round(xs / torch.where(xd > 0, xd, 1)[..., None]).clamp(-127, 127)

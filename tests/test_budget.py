@@ -3,10 +3,10 @@
 import json
 
 import pytest
+from tiny import tiny_native
 
 from specdecode.planner import budget
 from specdecode.planner.budget import CostCurve, InUseCurve
-from tiny import tiny_native
 
 
 def test_curve_extrapolates_and_reports_ratios():

@@ -8,22 +8,22 @@ import json
 import random
 
 import pytest
+from tiny import tiny_native
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from toy import BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain
 from transformers import PreTrainedTokenizerFast
 
-from specdecode.weights import hub
-from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NoDrafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
+from specdecode.planner.budget import CostCurve
 from specdecode.planner.planner import Planner
-from specdecode.weights.quantize import quantize_
 from specdecode.text.token_bridge import DraftSide, TokenBridge
-from tiny import tiny_native
-from toy import BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain
+from specdecode.weights import hub
+from specdecode.weights.quantize import quantize_
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
           "naïve café — 東京 🚀", "for i in range(10):\n\tprint(i * i)\n", "{\"key\": [1, 2.5e-3, null]}",

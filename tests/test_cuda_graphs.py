@@ -6,15 +6,15 @@ import gc
 
 import pytest
 import torch
+from tiny import tiny_native
 
 from specdecode.config import SamplingParams
-from specdecode.models.cuda_graphs import LENT_CACHES, bucket, use_graphs
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
 from specdecode.engine.engine import Engine
+from specdecode.models.cuda_graphs import LENT_CACHES, bucket, use_graphs
 from specdecode.models.parts import Part, RowSlots, chain_part
 from specdecode.planner.planner import Planner
-from tiny import tiny_native
 
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
 

@@ -5,13 +5,13 @@ decoding on this path. With llama-cpp-python installed, llama.cpp's greedy outpu
 import pytest
 import torch
 
-from specdecode.weights import hub
 from specdecode.api import SpecDecoder
 from specdecode.config import SamplingParams
 from specdecode.kernels import cpu_kernels
-from specdecode.weights.loading import Models, load_model, plan_load
-from specdecode.models.masks import chain_mask
 from specdecode.methods import build_drafter
+from specdecode.models.masks import chain_mask
+from specdecode.weights import hub
+from specdecode.weights.loading import Models, load_model, plan_load
 from specdecode.weights.quantize import QuantEmbedding, QuantLinear
 
 SMOL = "smollm2-135m-instruct"

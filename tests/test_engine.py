@@ -2,8 +2,17 @@
 
 import pytest
 import torch
+from tiny import tiny_native
+from toy import (
+    BigramModel,
+    ScriptedDrafter,
+    ScriptedTreeDrafter,
+    assert_exact_distribution,
+    exact_sequence_probs,
+    l1_bound,
+    random_chain,
+)
 
-from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.drafters.draft_model import TREE_EXPAND, TREE_WIDTH
@@ -13,12 +22,10 @@ from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.drafters.suffix_pool import SuffixPool
 from specdecode.engine.engine import Engine
 from specdecode.models.masks import chain_mask
+from specdecode.models.prompt_cache import PromptCache
+from specdecode.planner.budget import CostCurve
 from specdecode.planner.planner import Planner
 from specdecode.planner.prices import best_count
-from specdecode.models.prompt_cache import PromptCache
-from tiny import tiny_native
-from toy import (BigramModel, ScriptedDrafter, ScriptedTreeDrafter, assert_exact_distribution, exact_sequence_probs,
-                 l1_bound, random_chain)
 
 CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))  # C(8) = 1.56 C(1), as measured on a 2-core CPU
 

@@ -5,6 +5,9 @@ import json
 
 import pytest
 import torch
+from test_cross_tokenizer import byte_level
+from tiny import tiny_native
+from toy import BigramModel, assert_exact_distribution, exact_rule_probs, random_chain, sampled_outputs
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
@@ -14,9 +17,6 @@ from specdecode.planner.planner import Planner
 from specdecode.rules import OutputRules
 from specdecode.rules.grammar import GrammarCompiler
 from specdecode.sampling import to_probs
-from test_cross_tokenizer import byte_level
-from tiny import tiny_native
-from toy import BigramModel, assert_exact_distribution, exact_rule_probs, random_chain, sampled_outputs
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}}}

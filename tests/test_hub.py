@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.weights import hub
 from specdecode.errors import SpecdecodeError
+from specdecode.weights import hub
 from specdecode.weights.hub import PackagedModel, Part
 
 PARTS = [b"GGUF first part " * 1000, b"second part " * 700, b"tail"]

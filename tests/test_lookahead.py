@@ -4,17 +4,17 @@ exact distribution)."""
 
 import pytest
 import torch
+from tiny import tiny_native
+from toy import DRAFTER_PROMPTS, BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain, tokens_of
 
-from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import NoDrafter
 from specdecode.drafters.base import DraftContext
 from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.engine.engine import Engine
 from specdecode.kernels import cpu_kernels
+from specdecode.planner.budget import CostCurve
 from specdecode.weights.quantize import quantize_
-from tiny import tiny_native
-from toy import DRAFTER_PROMPTS, BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain, tokens_of
 
 CPU_LIKE = CostCurve(tuple(1.0 + 0.08 * m for m in range(16)))
 FLAT = CostCurve(tuple(1.0 + 0.001 * m for m in range(16)))  # extra rows nearly free: the window pays

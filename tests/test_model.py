@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from tiny import hf_model, native_from_hf
 
 from specdecode.models.masks import chain_mask, depths, tree_mask, tree_row_slots
-from tiny import hf_model, native_from_hf
 
 FAMILIES = ["qwen2", "llama", "qwen3", "mistral"]
 

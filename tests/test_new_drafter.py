@@ -10,15 +10,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from server_thread import BackgroundServer
+from test_bench import ROWS, _write_model
+
 from specdecode.api import SpecDecoder
 from specdecode.cli import main as cli_main
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.methods import Method, register, unregister
 from specdecode.server.app import create_app
 from specdecode.server.settings import ServerSettings
-from test_bench import ROWS, _write_model
 
 NAME = "follow-last"
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from specdecode.planner.budget import CostCurve, InUseCurve
 from specdecode.config import SamplingParams
+from specdecode.planner.budget import CostCurve, InUseCurve
 from specdecode.planner.planner import Planner
 from specdecode.planner.prices import FIXED, Record, StepPlan, best_count
 from specdecode.planner.tuning import SEEDED_NUM_DRAFT_TOKENS
@@ -117,9 +117,10 @@ def test_a_model_drafters_trust_learns_each_depths_acceptance_in_the_request():
 
 
 def test_a_drafts_scores_follow_its_trust_and_never_rise_above_a_parents():
+    from tiny import tiny_native
+
     from specdecode.drafters.base import DraftContext
     from specdecode.drafters.draft_model import DraftModelDrafter
-    from tiny import tiny_native
 
     model = tiny_native("qwen2", seed=3)
     drafter = DraftModelDrafter(model, vocab_size=model.config.vocab_size, width=2, max_depth=3)

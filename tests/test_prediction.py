@@ -4,16 +4,16 @@ usage counts the accepted and rejected prediction tokens; bad predictions are re
 
 import pytest
 import torch
+from test_batch import CPU_LIKE, draft, needs_kernels, target  # noqa: F401 - the tiny models, fixtures there
+from toy import BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.drafters.base import DraftContext
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.engine.engine import Engine
-from specdecode.planner.prices import Record, StepPlan
 from specdecode.errors import SpecdecodeError
-from test_batch import CPU_LIKE, draft, needs_kernels, target  # noqa: F401 - the tiny models, fixtures there
-from toy import BigramModel, assert_exact_distribution, exact_sequence_probs, random_chain
+from specdecode.planner.prices import Record, StepPlan
 
 
 def proposed(drafter: PredictionDrafter, tokens: list[int], k: int = 4) -> list[int]:

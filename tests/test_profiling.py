@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny import tiny_native
 
 from specdecode.kernels import cpu_kernels
 from specdecode.models.masks import chain_mask
 from specdecode.weights.quantize import quantize_
-from tiny import tiny_native
 
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")

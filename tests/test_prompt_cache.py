@@ -3,19 +3,19 @@ its output is exactly what it would be without them (greedy and seeded sampling,
 
 import pytest
 import torch
+from test_batch import WIDE, needs_kernels
+from tiny import tiny_native
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NoDrafter
 from specdecode.engine.engine import Engine
+from specdecode.engine.stats import GenerationStats
 from specdecode.errors import SpecdecodeError
 from specdecode.models.kv_cache import KVCache
-from specdecode.planner.planner import Planner
 from specdecode.models.prompt_cache import PromptCache
+from specdecode.planner.planner import Planner
 from specdecode.server.formats import usage
-from specdecode.engine.stats import GenerationStats
 from specdecode.weights.quantize import quantize_
-from test_batch import WIDE, needs_kernels
-from tiny import tiny_native
 
 pytestmark = needs_kernels
 

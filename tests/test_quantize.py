@@ -3,6 +3,7 @@ speculation exact relative to the target as run (float32, bf16, and weights in Q
 
 import pytest
 import torch
+from tiny import tiny_native
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
@@ -10,7 +11,6 @@ from specdecode.engine.engine import Engine
 from specdecode.kernels import cpu_kernels
 from specdecode.models.masks import chain_mask
 from specdecode.weights.quantize import KernelLinear, QuantLinear, quantize_
-from tiny import tiny_native
 
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
-
 from server_thread import BackgroundServer
+
 from specdecode.api import SpecDecoder
 from specdecode.server.app import create_app
 from specdecode.server.settings import ServerSettings

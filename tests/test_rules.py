@@ -4,17 +4,24 @@ import math
 
 import pytest
 import torch
+from tiny import tiny_native
+from toy import (
+    BigramModel,
+    ScriptedDrafter,
+    ScriptedTreeDrafter,
+    assert_exact_distribution,
+    exact_rule_probs,
+    random_chain,
+    sampled_outputs,
+)
 
-from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
+from specdecode.planner.budget import CostCurve
 from specdecode.planner.planner import Planner
 from specdecode.sampling import to_probs
-from tiny import tiny_native
-from toy import (BigramModel, ScriptedDrafter, ScriptedTreeDrafter, assert_exact_distribution, exact_rule_probs,
-                 random_chain, sampled_outputs)
 
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
 RULES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={5: 3.0, 7: -2.0},

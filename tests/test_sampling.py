@@ -102,8 +102,9 @@ def test_top_p_on_the_kernel_keeps_torchs_nucleus_and_probabilities():
 
 
 def test_draws_on_the_kernel_follow_the_weights():
-    from specdecode.sampling import sample
     from toy import l1_bound
+
+    from specdecode.sampling import sample
 
     weights = torch.tensor([[0.1, 0.0, 0.5, 0.4, 0.0], [0.0, 0.0, 3.0, 0.0, 1.0]])  # any scale
     gen, trials = torch.Generator().manual_seed(9), 20_000

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-
 from server_thread import BackgroundServer
+
 from specdecode.api import SpecDecoder
 from specdecode.config import SamplingParams
 from specdecode.server.app import create_app

@@ -5,10 +5,10 @@ checks: no 5xx, responses and status codes as documented, valid data served, inv
 from __future__ import annotations
 
 import pytest
+from server_thread import BackgroundServer
 
 from specdecode.api import SpecDecoder
 from specdecode.server.app import create_app
-from server_thread import BackgroundServer
 from specdecode.server.settings import ServerSettings
 
 schemathesis = pytest.importorskip("schemathesis", reason="the fuzz test needs schemathesis (pip install -e .[dev])")

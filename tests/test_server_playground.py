@@ -10,10 +10,10 @@ import os
 
 import httpx
 import pytest
+from server_thread import BackgroundServer
 
 from specdecode.api import SpecDecoder
 from specdecode.server.app import create_app
-from server_thread import BackgroundServer
 from specdecode.server.settings import ServerSettings
 
 SMOL = "smollm2-135m-instruct"

@@ -10,18 +10,18 @@ import time
 
 import httpx
 import pytest
-
 from server_thread import BackgroundServer
-from specdecode.server.compute import ComputeThread
+
 from specdecode.config import SamplingParams
 from specdecode.engine.engine import StepInfo
-from specdecode.errors import SpecdecodeError
 from specdecode.engine.sequence import Step
-from specdecode.server.app import create_app
-from specdecode.server.metrics import Metrics
-from specdecode.server.scheduler import ClientLimit, Chunk, Failure, QueueFull, Scheduler, ShuttingDown
-from specdecode.server.settings import ServerSettings
 from specdecode.engine.stats import GenerationStats
+from specdecode.errors import SpecdecodeError
+from specdecode.server.app import create_app
+from specdecode.server.compute import ComputeThread
+from specdecode.server.metrics import Metrics
+from specdecode.server.scheduler import Chunk, ClientLimit, Failure, QueueFull, Scheduler, ShuttingDown
+from specdecode.server.settings import ServerSettings
 
 PARAMS = SamplingParams(max_new_tokens=3)
 

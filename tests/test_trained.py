@@ -438,7 +438,7 @@ def test_a_trained_folder_is_replaced_whole_or_not_at_all(tmp_path: Path) -> Non
     target = tiny_native("qwen2", seed=0)
     out = tmp_path / "head"
     store.save(out, "medusa", {"v": 1}, {"w": torch.zeros(2)}, target, "t")
-    with pytest.raises(Exception):  # an interrupt while writing: here, a tensor that cannot be written
+    with pytest.raises(Exception):  # noqa: B017 - an interrupt while writing: here, a tensor that cannot be written
         store.save(out, "medusa", {"v": 2}, {"w": "not a tensor"}, target, "t")
     assert json.loads((out / store.CONFIG).read_text())["config"] == {"v": 1}  # the old folder, whole
     store.save(out, "medusa", {"v": 3}, {"w": torch.ones(2)}, target, "t")

@@ -4,11 +4,11 @@ import itertools
 
 import pytest
 import torch
+from toy import l1_bound
 
 from specdecode.config import SamplingParams
 from specdecode.sampling import make_generator, sample, to_probs
 from specdecode.verify import acceptance_probs, residual, sibling_round, verify_chain, verify_tree
-from toy import l1_bound
 
 
 def random_probs(vocab: int, gen: torch.Generator) -> torch.Tensor:

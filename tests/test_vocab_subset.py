@@ -8,17 +8,25 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-
-from specdecode.weights.blocks import FORMATS, quantize_float
-from specdecode.errors import SpecdecodeError
-from specdecode.weights.gguf_stored import PACKED_FIELDS, stored_dir
-from specdecode.kernels import cpu_kernels
-from specdecode.models.masks import chain_mask
-from specdecode.weights.quantize import KernelLinear, QuantLinear, quantize_
-from specdecode.weights.vocab_subset import (by_merge_rank, count_tokens, frequent_tokens, load_or_build, restrict_lm_head,
-                                     stored_head, subset_path, texts_from_jsonl)  # fmt: skip
 from test_blocks import packed as random_packed
 from tiny import tiny_native
+
+from specdecode.errors import SpecdecodeError
+from specdecode.kernels import cpu_kernels
+from specdecode.models.masks import chain_mask
+from specdecode.weights.blocks import FORMATS, quantize_float
+from specdecode.weights.gguf_stored import PACKED_FIELDS, stored_dir
+from specdecode.weights.quantize import KernelLinear, QuantLinear, quantize_
+from specdecode.weights.vocab_subset import (
+    by_merge_rank,
+    count_tokens,
+    frequent_tokens,
+    load_or_build,
+    restrict_lm_head,
+    stored_head,  # fmt: skip
+    subset_path,
+    texts_from_jsonl,
+)
 
 kernels = cpu_kernels()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")

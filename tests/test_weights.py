@@ -16,10 +16,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from specdecode.weights import hub
-
-from specdecode.weights import files as weights
 from specdecode.errors import SpecdecodeError
+from specdecode.weights import files as weights
+from specdecode.weights import hub
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 # special tokens, the printable ASCII bytes, the byte-level space and one merge

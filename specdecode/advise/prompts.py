@@ -8,7 +8,6 @@ first half. The answers in the files are never read: each candidate writes its o
 
 from __future__ import annotations
 
-
 from specdecode.bench.data import Prompt
 from specdecode.errors import SpecdecodeError
 from specdecode.jsonl import read_jsonl

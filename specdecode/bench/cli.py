@@ -9,6 +9,7 @@ Prompts are read before any model is loaded, so a bad file or method name fails 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -20,17 +21,26 @@ from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, SpecDecoder, verify_co
 from specdecode.bench.data import load_prompts
 from specdecode.bench.harness import run_bench
 from specdecode.bench.loaders import (
-    TUNED_DRAFT, BenchModels, all_methods, build_runners, drafter_and_shape, load_models, needs_draft_model,
-    num_draft_tokens, parse_methods, runner_is_ours, weights_bytes,
+    TUNED_DRAFT,
+    BenchModels,
+    all_methods,
+    build_runners,
+    drafter_and_shape,
+    load_models,
+    needs_draft_model,
+    num_draft_tokens,
+    parse_methods,
+    runner_is_ours,
+    weights_bytes,
 )  # fmt: skip
 from specdecode.bench.machine import command_line, machine_info
 from specdecode.bench.report import build_report, markdown
 from specdecode.cli_args import add_sampling_args, add_weight_args, sampling_params
 from specdecode.drafters import NoDrafter
 from specdecode.errors import SpecdecodeError
-from specdecode.weights.loading import LoadPlan, plan_load
 from specdecode.methods import METHODS
 from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB, check_size
+from specdecode.weights.loading import LoadPlan, plan_load
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -167,9 +177,13 @@ def settings(args: argparse.Namespace, methods: list[str], greedy: bool, plan: L
 
 
 def write_outputs(report: dict[str, Any], path: Path) -> None:
-    from specdecode.bench.plots import write_plots  # matplotlib loads only when plots are written
-
+    """The report as JSON at `path`, and its plots beside it where matplotlib is installed (the `plots` extra)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"wrote {path} (no plots: pip install 'specdecode[plots]' draws them)", file=sys.stderr)
+        return
+    from specdecode.bench.plots import write_plots  # matplotlib loads only when plots are written
+
     plots = write_plots(report, path)
     print(f"wrote {path}, {', '.join(str(p) for p in plots)}", file=sys.stderr)

@@ -26,14 +26,14 @@ from specdecode.api import SpecDecoder
 from specdecode.bench.llamacpp import METHODS as LLAMACPP_METHODS
 from specdecode.bench.llamacpp import LlamaCppRunner, import_llama_cpp
 from specdecode.bench.runners import HFRunner, Runner, SpecRunner
-from specdecode.planner.budget import CostCurve
 from specdecode.errors import SpecdecodeError
-from specdecode.weights.loading import LoadPlan, Models, check_same_tokenizer, load_draft, load_model, load_tokenizer
 from specdecode.methods import METHODS, SHAPES, build_drafter
-from specdecode.planner.tuning import DRAFT_MIN_CONFIDENCE
 from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB
-from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE
+from specdecode.planner.budget import CostCurve
+from specdecode.planner.tuning import DRAFT_MIN_CONFIDENCE
 from specdecode.weights.files import load_checkpoint, resolve_source
+from specdecode.weights.loading import LoadPlan, Models, check_same_tokenizer, load_draft, load_model, load_tokenizer
+from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE
 
 BASELINE = "none"
 # Reference methods -> the method of ours they mirror (its default k), None for plain decoding.

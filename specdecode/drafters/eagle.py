@@ -33,12 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.weights.store import load_head
 from specdecode.drafters.base import Draft, DraftContext
 from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees, Node
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.parts import ids_and_positions, rows_mask
 from specdecode.planner.tuning import HEAD_MIN_CONFIDENCE
+from specdecode.weights.store import load_head
+
 
 @dataclass(slots=True)
 class EagleConfig:

@@ -25,8 +25,13 @@ import torch
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.ngram import trie
 from specdecode.planner.estimates import RunningRate
-from specdecode.planner.tuning import (LOOKAHEAD_DECAY, LOOKAHEAD_PRIOR_YIELD, LOOKAHEAD_YIELD_WEIGHT,
-                                      NGRAM_PRIOR_RATE, NGRAM_PRIOR_WEIGHT)
+from specdecode.planner.tuning import (
+    LOOKAHEAD_DECAY,
+    LOOKAHEAD_PRIOR_YIELD,
+    LOOKAHEAD_YIELD_WEIGHT,
+    NGRAM_PRIOR_RATE,
+    NGRAM_PRIOR_WEIGHT,
+)
 
 WINDOW = 8  # Jacobi guesses fed per step at most (the paper's W; the planner may keep fewer)
 NGRAM = 4  # n-grams of this many tokens: a pool hit drafts NGRAM - 1 (the paper's N)

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.weights.store import load_head
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.weights.store import load_head
+
 
 @dataclass(slots=True)
 class MedusaConfig:

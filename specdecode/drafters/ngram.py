@@ -21,7 +21,6 @@ from specdecode.planner.estimates import RunningRate
 from specdecode.planner.tuning import NGRAM_PRIOR_RATE, NGRAM_PRIOR_WEIGHT
 
 
-
 class NgramDrafter(Drafter):
     name = "ngram"
 

@@ -84,7 +84,7 @@ class RecycleDrafter(Drafter):
         rows = self.table.next
         tokens: list[int] = []
         parents: list[int] = []
-        self.ranks, scores, depth = [], [], []
+        self.ranks, scores = [], []
         # Best first: (-score, order, parent node, token, rank, depth); a child is pushed once its parent is in.
         heap: list[tuple[float, int, int, int, int, int]] = []
         pushed = 0

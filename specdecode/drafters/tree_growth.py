@@ -25,8 +25,7 @@ import torch
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.models.parts import RowSlots
 from specdecode.planner.estimates import RunningMean, RunningRate
-from specdecode.planner.tuning import (FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR,
-                                      MODEL_TRUST_RANGE)
+from specdecode.planner.tuning import FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR, MODEL_TRUST_RANGE
 from specdecode.sampling import greedy_topk_lists, gumbel_topk, to_probs
 
 Request = TypeVar("Request")

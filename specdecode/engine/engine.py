@@ -29,22 +29,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.planner.budget import CostCurve
 from specdecode import settings
 from specdecode.config import SamplingParams
-from specdecode.models.cuda_graphs import use_graphs
 from specdecode.drafters.base import Draft, DraftContext, Drafter
 from specdecode.drafters.lockstep import run_batched
+from specdecode.drafters.prediction import PredictionDrafter
+from specdecode.engine.sequence import Sequence, Step
 from specdecode.errors import SpecdecodeError
+from specdecode.models.cuda_graphs import use_graphs
 from specdecode.models.kv_cache import KVCache, bytes_per_token
 from specdecode.models.model import Transformer, prompt_as_decode_rows, rows_exact
 from specdecode.models.parts import Part
-from specdecode.drafters.prediction import PredictionDrafter
-from specdecode.planner.planner import Planner
-from specdecode.planner.tuning import MAX_AUTO_NODES
 from specdecode.models.prompt_cache import PromptCache
 from specdecode.models.spare_cache import SpareCache
-from specdecode.engine.sequence import Sequence, Step
+from specdecode.planner.budget import CostCurve
+from specdecode.planner.planner import Planner
+from specdecode.planner.tuning import MAX_AUTO_NODES
 
 __all__ = ["Engine", "Sequence", "Step", "StepInfo", "check_prompt", "kv_budget_tokens"]
 
@@ -143,14 +143,15 @@ class Engine:
             check_prediction(prediction, self.max_len - len(prompt_ids))
         vocab = self.target.config.vocab_size
         if bad := [t for t in params.logit_bias if t >= vocab]:
-            raise SpecdecodeError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise SpecdecodeError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})", "logit_bias")
         need = n * self.kv_cost(self.reservation(len(prompt_ids), params))
         if need > self.kv_budget_tokens:
             what = f"{n} choices need" if n > 1 else "the request needs"
             raise SpecdecodeError(f"{what} {need} KV cache slots (prompt + max_tokens + a draft each) but the KV "
-                                  f"budget is {self.kv_budget_tokens}: lower max_tokens or n, or shorten the prompt")
+                                  f"budget is {self.kv_budget_tokens}: lower max_tokens or n, or shorten the prompt",
+                                  *(("n", None) if n > 1 else ("max_tokens", "context_length_exceeded")))
         if n > self.max_running:
-            raise SpecdecodeError(f"n is {n} but at most {self.max_running} requests run at once: lower n")
+            raise SpecdecodeError(f"n is {n} but at most {self.max_running} requests run at once: lower n", "n")
         self.planner.draft_size(num_draft_tokens, self.num_draft_tokens)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
@@ -399,22 +400,21 @@ class Engine:
 
 def check_prompt(prompt_ids: list[int], max_len: int) -> None:
     if not prompt_ids:
-        raise SpecdecodeError("the prompt is empty: give at least one token")
+        raise SpecdecodeError("the prompt is empty: give at least one token", "max_tokens", "context_length_exceeded")
     if len(prompt_ids) >= max_len:
-        raise SpecdecodeError(
-            f"the prompt has {len(prompt_ids)} tokens but the context window is {max_len}: "
-            "shorten the prompt or raise max_len"
-        )
+        raise SpecdecodeError(f"the prompt has {len(prompt_ids)} tokens but the context window is {max_len}: "
+                              "shorten the prompt or raise max_len", "max_tokens", "context_length_exceeded")
 
 
 def check_prediction(prediction: list[int], room: int) -> None:
     if not prediction:
-        raise SpecdecodeError("the prediction is empty: leave it out, or give the text you expect the answer to be")
+        raise SpecdecodeError("the prediction is empty: leave it out, or give the text you expect the answer to be",
+                              "prediction")
     # Longer than max_tokens is allowed, as OpenAI allows it: what is never reached counts as rejected. Longer than
     # the context window leaves after the prompt, it could never be the answer.
     if len(prediction) > room:
         raise SpecdecodeError(f"the prediction has {len(prediction)} tokens but the context window leaves {room} "
-                              "after the prompt: shorten the prediction")
+                              "after the prompt: shorten the prediction", "prediction", "context_length_exceeded")
 
 
 def kv_budget_tokens(target: torch.nn.Module, gib: float) -> int | None:

@@ -21,6 +21,7 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.engine.stats import GenerationStats
 from specdecode.errors import SpecdecodeError
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.masks import tree_row_slots
@@ -30,9 +31,7 @@ from specdecode.planner.prices import StepPlan
 from specdecode.planner.tuning import MAX_AUTO_NODES
 from specdecode.rules import OutputRules
 from specdecode.sampling import greedy_tokens, make_generator, sample, to_probs
-from specdecode.engine.stats import GenerationStats
 from specdecode.verify import verify_chain, verify_tree
-
 
 # A token's log-probability under the target, and its `logprobs` likeliest alternatives as (token id, logprob)
 TokenLogprob = tuple[float, list[tuple[int, float]]]

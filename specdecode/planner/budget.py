@@ -16,8 +16,8 @@ import json
 import math
 import os
 import platform
-import sys
 import statistics
+import sys
 import threading
 import time
 from collections import deque

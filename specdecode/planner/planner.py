@@ -26,9 +26,19 @@ from specdecode.errors import SpecdecodeError
 from specdecode.planner.budget import CostCurve, InUseCurve
 from specdecode.planner.estimates import RunningMean
 from specdecode.planner.prices import FIXED, StepPlan, best_count
-from specdecode.planner.tuning import (CATCH_UP_STEPS, CHEAP_DRAFT, EXPLORE_BATCH, EXPLORE_EVERY, OWN_WEIGHT,
-                                       PREDICTION_DRAFT_TOKENS, PRIOR_GAIN, PRIOR_NODES, PRIOR_WEIGHT,
-                                       SEEDED_NUM_DRAFT_TOKENS, SHARED_WEIGHT)
+from specdecode.planner.tuning import (
+    CATCH_UP_STEPS,
+    CHEAP_DRAFT,
+    EXPLORE_BATCH,
+    EXPLORE_EVERY,
+    OWN_WEIGHT,
+    PREDICTION_DRAFT_TOKENS,
+    PRIOR_GAIN,
+    PRIOR_NODES,
+    PRIOR_WEIGHT,
+    SEEDED_NUM_DRAFT_TOKENS,
+    SHARED_WEIGHT,
+)
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, require
 from specdecode.kernels import cpu_kernels
 
 NO_TOKEN = float("-inf")
@@ -42,6 +42,7 @@ class GrammarCompiler:
     @property
     def info(self):
         if self._info is None:
+            require("llguidance", "grammar", "structured output (JSON schemas, tool calls)")
             import llguidance.hf
 
             try:

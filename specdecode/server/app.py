@@ -23,13 +23,20 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from specdecode.server.compute import ComputeThread
 from specdecode.engine.engine import kv_budget_tokens
 from specdecode.server.access import REQUEST_ID, RequestIds, bearer_check
+from specdecode.server.compute import ComputeThread
 from specdecode.server.errors import ApiError, error_body, error_response
 from specdecode.server.metrics import Metrics
 from specdecode.server.openapi import (
-    POST_RESPONSES, ChatResponse, CompletionResponse, Health, ModelCard, ModelList, errors, sse_and_json,
+    POST_RESPONSES,
+    ChatResponse,
+    CompletionResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    errors,
+    sse_and_json,
 )
 from specdecode.server.openapi import install as install_openapi
 from specdecode.server.scheduler import Scheduler

@@ -9,7 +9,7 @@ import sys
 
 from specdecode import settings
 from specdecode.cli_args import add_model_args, decoder_kwargs, load_decoder
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, require
 from specdecode.server.settings import ServerSettings
 
 
@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    require("fastapi", "server", "specdecode serve")
     from specdecode.server.access import read_key_file  # here: the web stack costs every other command 0.3 s
 
     if args.replicas < 1:
@@ -93,8 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return ray_app.serve_forever(decoder_kwargs(args), settings, args.replicas, args.host, args.port,
                                      args.ray_address, args.replica_cpus, args.drain_timeout)
 
-    from specdecode.server.compute import ComputeThread
     from specdecode.server.app import create_app
+    from specdecode.server.compute import ComputeThread
     from specdecode.server.run import serve
 
     compute = ComputeThread()  # loads the models and then runs the engine: OpenMP is fast from one thread only

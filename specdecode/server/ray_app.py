@@ -41,8 +41,8 @@ def build(decoder_kwargs: dict, settings: ServerSettings, replicas: int, cpus: f
             import torch
 
             from specdecode.api import SpecDecoder
-            from specdecode.server.compute import ComputeThread
             from specdecode.server.app import create_app
+            from specdecode.server.compute import ComputeThread
 
             torch.set_num_threads(max(1, int(cpus)))  # replicas on one machine must not fight over its cores
             compute = ComputeThread()  # the models load, and the engine runs, on one thread (compute.py)

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specdecode.api import text_chunk
-from specdecode.server.compute import ComputeThread
 from specdecode.config import SamplingParams, choice_seed
 from specdecode.errors import SpecdecodeError
+from specdecode.server.compute import ComputeThread
 from specdecode.server.metrics import Metrics
 from specdecode.text.stream import TextStream
 

@@ -17,15 +17,15 @@ from fastapi.responses import JSONResponse, Response
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.planner.planner import Planner
-from specdecode.text.tool_calls import call_grammar, render
 from specdecode.server.access import client_of
-from specdecode.server.errors import ApiError
 from specdecode.server.answers import Answer, TokenTexts
+from specdecode.server.errors import ApiError
 from specdecode.server.formats import Meta, completion, usage
-from specdecode.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_request, sampling_params
 from specdecode.server.scheduler import ClientLimit, QueueFull, Scheduler, ShuttingDown
+from specdecode.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_request, sampling_params
 from specdecode.server.settings import ServerSettings
 from specdecode.server.streams import JobStream, collect
+from specdecode.text.tool_calls import call_grammar, render
 
 MAX_CHARS_PER_TOKEN = 32  # a prompt longer than the window times this cannot fit; a token is rarely over 10 chars
 
@@ -63,10 +63,8 @@ class CompletionService:
         prediction = await self._encode_prediction(req)
         try:
             self.scheduler.check(ids, params, k, prediction, req.n)
-        except SpecdecodeError as e:
-            field = "prediction" if "prediction" in str(e) else "n" if "n is" in str(e) or "choices" in str(e) \
-                else "logit_bias" if "logit_bias" in str(e) else "max_tokens"
-            code = "context_length_exceeded" if field == "max_tokens" or "context window" in str(e) else None
+        except SpecdecodeError as e:  # the field it names; else what a request too large for the window is told
+            field, code = (e.field, e.code) if e.field else ("max_tokens", "context_length_exceeded")
             raise ApiError(400, str(e), field, code) from None
         client = client_of(request, bool(self.settings.keys), self.settings.trusted_proxies)
         try:

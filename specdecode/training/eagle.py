@@ -9,7 +9,13 @@ import torch
 from specdecode.drafters.eagle import EagleConfig, EagleHead, target_embeddings
 from specdecode.training.features import Features
 from specdecode.training.loop import (
-    Batch, chain_report, draft_vocab, head_rows, optimize, packed_batches, soft_loss,
+    Batch,
+    chain_report,
+    draft_vocab,
+    head_rows,
+    optimize,
+    packed_batches,
+    soft_loss,
 )
 
 STEP_WEIGHT = 0.8

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecdecodeError
-from specdecode.weights.loading import LoadPlan, load_model
-from specdecode.weights import store
-from specdecode.weights.lora import KIND
 from specdecode.training.features import Features
 from specdecode.training.loop import optimize, packed_batches
+from specdecode.weights import store
+from specdecode.weights.loading import LoadPlan, load_model
+from specdecode.weights.lora import KIND
 
 LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BATCH_TOKENS = 512
@@ -29,8 +29,8 @@ def train_and_save(args: argparse.Namespace, target: torch.nn.Module, tokenizer,
         raise SpecdecodeError("`specdecode train draft` needs peft: pip install 'specdecode[train]'") from None
     import transformers
 
-    from specdecode.weights.loading import check_same_tokenizer
     from specdecode.weights.files import load_checkpoint
+    from specdecode.weights.loading import check_same_tokenizer
 
     ckpt = load_checkpoint(args.draft, torch.float32)
     check_same_tokenizer(tokenizer, ckpt.tokenizer, args.target, args.draft, "a LoRA draft")

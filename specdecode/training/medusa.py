@@ -8,7 +8,13 @@ import torch
 from specdecode.drafters.medusa import MedusaConfig, MedusaHeads
 from specdecode.training.features import Features
 from specdecode.training.loop import (
-    Batch, chain_report, draft_vocab, head_rows, optimize, packed_batches, soft_loss,
+    Batch,
+    chain_report,
+    draft_vocab,
+    head_rows,
+    optimize,
+    packed_batches,
+    soft_loss,
 )
 
 TOP_CHOICES = 8  # ranks whose accuracy is measured per head: the static tree picks among them

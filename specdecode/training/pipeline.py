@@ -7,12 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.weights import hub
 from specdecode.errors import SpecdecodeError
-from specdecode.weights.loading import load_model, plan_load
-from specdecode.weights import store
 from specdecode.training import features as feature_cache
 from specdecode.training.data import data_key, expand, read_examples, sample
+from specdecode.weights import hub, store
+from specdecode.weights.loading import load_model, plan_load
 
 MIN_TRAIN_TOKENS = 1000  # below this a head learns the examples by heart and nothing else
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdecode.planner.budget import CostCurve
 from specdecode.config import SamplingParams
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine.engine import Engine
+from specdecode.planner.budget import CostCurve
 from specdecode.training.data import Example
 from specdecode.training.features import settings_key
 

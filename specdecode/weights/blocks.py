@@ -102,7 +102,7 @@ class PackedWeight:
 
     def dequantize(self) -> Tensor:
         """[out, in] float32, by the formula in the module docstring: the reference for the kernel."""
-        f, (out, inp) = self.format, self.shape
+        f = self.format
         d = self.d.float().repeat_interleave(f.superblock, dim=1)  # [out, in]
         dmin = self.dmin.float().repeat_interleave(f.superblock, dim=1) if f.has_min else None
         scale = self.scales.float().repeat_interleave(f.group, dim=1) if f.sub_scales else 1.0

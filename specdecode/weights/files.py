@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specdecode.weights import hub
 from specdecode.errors import SpecdecodeError
+from specdecode.weights import hub
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GGUF_MAGIC = b"GGUF"

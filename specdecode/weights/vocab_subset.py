@@ -33,13 +33,13 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from specdecode.errors import SpecdecodeError
+from specdecode.kernels import cpu_kernels
 from specdecode.weights import hub
 from specdecode.weights.blocks import FORMATS, PackedWeight
-from specdecode.errors import SpecdecodeError
-from specdecode.weights.gguf_stored import PACKED_FIELDS, stored_dir
-from specdecode.kernels import cpu_kernels
-from specdecode.weights.quantize import KernelLinear, QuantLinear
 from specdecode.weights.files import conversion_prefix, resolve_source
+from specdecode.weights.gguf_stored import PACKED_FIELDS, stored_dir
+from specdecode.weights.quantize import KernelLinear, QuantLinear
 
 CHANNEL_MULTIPLE = 16  # rows per vector of quantize.QuantLinear's 16-channel kernel
 
