@@ -119,7 +119,8 @@ def machine(args, device) -> dict:
     out.update(gpu=props.name, sms=props.multi_processor_count, memory_gb=round(props.total_memory / 2**30, 1))
     x = torch.empty(2 * 2**30, dtype=torch.bfloat16, device=device).normal_()  # 4 GB
     y = torch.empty_like(x)
-    for name, fn, moved in [("read_gb_s", lambda: x.sum(), x.nbytes), ("copy_gb_s", lambda: y.copy_(x), 2 * x.nbytes)]:
+    # x and y are deleted only after the loop; not default arguments, so that `del x, y` frees them (F821 below)
+    for name, fn, moved in [("read_gb_s", lambda: x.sum(), x.nbytes), ("copy_gb_s", lambda: y.copy_(x), 2 * x.nbytes)]:  # noqa: F821
         fn()
         sync(device)
         best = math.inf
@@ -271,8 +272,9 @@ def engine(args, device) -> dict:
         params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
         models = Models(target, None, draft=target)
 
-        def run(drafter, k):
-            eng = Engine(target, drafter, num_draft_tokens=k)
+        def run(drafter, k, prompts=prompts, params=params):
+            # target is not a default argument, so that the `del target` below frees it before the next dtype's is made
+            eng = Engine(target, drafter, num_draft_tokens=k)  # noqa: B023, F821 - run only in this iteration
             answers, accepted, t0 = [], [], time.perf_counter()
             for p in prompts:
                 answers.append([t for step in eng.generate(p, params) for t in step.tokens])
@@ -409,14 +411,16 @@ def speed(args, device) -> dict:
         tok = torch.tensor(5, device=device)
 
         # Plain decoding as the engine runs it: one forward, then the argmax read back (one host sync a token).
+        # (These closures read `model` from this scope, not as a default argument, so that the `del model` below
+        # frees the 8B model before the 1B one is made: hence the F821 noqa on those lines.)
         def decode_n(n=args.tokens, decode=False):
             cache.truncate(prompt_len)
             t = tok
             for _ in range(n):
-                t = one_token(model, cache, t, decode=decode).argmax()
+                t = one_token(model, cache, t, decode=decode).argmax()  # noqa: F821 - `del model` runs later
                 t = torch.tensor(int(t), device=device)
         for decode in (False, True):
-            s = timed(lambda: decode_n(decode=decode), device, 3) / args.tokens
+            s = timed(lambda decode=decode: decode_n(decode=decode), device, 3) / args.tokens
             out[f"decode_ms/{'per-row' if decode else 'one-call'}"] = round(s * 1000, 3)
 
         # The same one-token forward replayed as a CUDA graph (static position): what launch overhead costs.
@@ -450,9 +454,9 @@ def speed(args, device) -> dict:
             for m in (1, 4) if args.small else (1, 2, 4, 8, 16, 32, 64):
                 chunk = torch.randint(0, vocab, (m,), device=device)
 
-                def verify():
+                def verify(chunk=chunk, m=m, decode=decode):
                     cache.truncate(prompt_len)
-                    model(chunk[None], torch.arange(prompt_len, prompt_len + m, device=device)[None], cache,
+                    model(chunk[None], torch.arange(prompt_len, prompt_len + m, device=device)[None], cache,  # noqa: F821 - `del model` runs later
                           chain_mask(prompt_len, m, device), decode=decode)
                 curve[f"{'per-row' if decode else 'one-call'}/M={m}"] = round(timed(verify, device, 5) * 1000, 3)
         out["verify_ms"] = curve
@@ -463,13 +467,13 @@ def speed(args, device) -> dict:
         free = {}
         for decode in (False, True):
             for k in (2, 4) if args.small else (2, 3, 4, 6, 8, 12, 16):
-                def spec(n=args.tokens):
+                def spec(n=args.tokens, k=k, decode=decode):
                     cache.truncate(prompt_len)
                     made = 0
                     while made < n:
                         at = cache.length
                         chunk = torch.randint(0, vocab, (k + 1,), device=device)
-                        logits, _ = model(chunk[None], torch.arange(at, at + k + 1, device=device)[None], cache,
+                        logits, _ = model(chunk[None], torch.arange(at, at + k + 1, device=device)[None], cache,  # noqa: F821 - `del model` runs later
                                           chain_mask(at, k + 1, device), decode=decode)
                         logits[0].argmax(-1).tolist()
                         accepted = 0
@@ -553,7 +557,7 @@ def graphs(args, device) -> dict:
 
             def replay(n=10):
                 for _ in range(n):
-                    graph.replay()
+                    graph.replay()  # noqa: B023, F821 - replayed at once by timed(), before `del graph`
             ms[m] = timed(replay, device, 5) / 10 * 1000
             del graph
     out["verify_ms"] = {f"M={m}": round(t, 3) for m, t in ms.items()}
@@ -584,7 +588,8 @@ def compiled(args, device) -> dict:
             write_pos = positions.clone()
             mask = torch.arange(slots, device=device)[None] <= positions[:, None]
             for name, fn in (("as written", model.static_forward), ("torch.compile", compiled_fn)):
-                call = lambda: fn(tokens, positions, write_pos, mask, cache, None, ())  # noqa: E731
+                call = lambda fn=fn, tokens=tokens, positions=positions, write_pos=write_pos, mask=mask: fn(  # noqa: E731
+                    tokens, positions, write_pos, mask, cache, None, ())
                 began = time.perf_counter()
                 call()
                 sync(device)
@@ -604,7 +609,7 @@ def compiled(args, device) -> dict:
 
                 def replay(n=10):
                     for _ in range(n):
-                        graph.replay()
+                        graph.replay()  # noqa: B023, F821 - replayed at once by timed(), before `del graph`
                 out[f"{name}/M={m}/graph_ms"] = round(timed(replay, device, 5) / 10 * 1000, 3)
                 del graph
     return out

@@ -9,9 +9,14 @@ over the machine's read bandwidth. This script measures that bandwidth, then, in
    in one team region, kernels.set_team, SiLU runs inside gate/up and the residual adds inside o and down), the LM
    head and the rest (embedding, rotary tables, Python around the layers), with the bytes read and the share of
    the bandwidth floor reached. Also what one empty fork-join of the thread team costs, and how many a forward starts.
-2. **Steps.** Whole generations with `--methods` (default draft, hybrid), every engine step split into the target's
-   verify forward, the draft model's forwards, verification, the planner, drafter logic (tree growth, copying),
-   sequence and KV-cache bookkeeping, and the remainder (engine glue); plus the text layer around the engine.
+2. **Steps.** Whole generations with `--methods` (default draft, hybrid), each engine step's record as the engine
+   hands it out (`Engine.on_step`, a StepInfo): its time up to the target forward (prompt chunks, the planner,
+   drafting), the target forward, and after it (verification, caches kept, drafters' commits, finished requests);
+   plus the text layer around the engine (the generations' wall time less their steps'), and the draft model's
+   seconds per forward as its drafter keeps them (`Drafter.forward_s`, a running mean weighted to its latest
+   draft forwards, read after each measured generation). No engine, planner or drafter method is wrapped for
+   this, so a step's finer split (the draft model's forwards against the drafter's own code, the planner,
+   bookkeeping) is not measured here.
 
     python scripts/profile_step.py                       # the default pair, 3 prompts, 128 new tokens each
     python scripts/profile_step.py --rows 1,4,8 --json bench-results/profile.json
@@ -26,7 +31,7 @@ import argparse
 import json
 import statistics
 import time
-from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -192,103 +197,6 @@ def print_forwards(rows: list[dict], llamacpp: dict[str, float] | None = None) -
 # --- steps ---------------------------------------------------------------------------------------------------
 
 
-class SelfTimer:
-    """Wraps methods so that each category is charged its own time, the time of wrapped callees excluded."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        self.stack: list[list] = []  # [category, began, children's seconds]
-        self.undo: list = []
-
-    def enter(self, category: str) -> None:
-        self.stack.append([category, time.perf_counter(), 0.0])
-
-    def leave(self, count: bool = True) -> None:
-        """The innermost category's time since `enter`, less its wrapped callees', goes to it (and, whole, to the
-        callees' share of its caller)."""
-        category, began, children = self.stack.pop()
-        spent = time.perf_counter() - began
-        self.seconds[category] += spent - children
-        self.calls[category] += count
-        if self.stack:
-            self.stack[-1][2] += spent
-
-    def wrap(self, owner, attr: str, category: str) -> None:
-        original = getattr(owner, attr)
-        timer = self
-
-        def timed(*a, **kw):
-            timer.enter(category)
-            try:
-                return original(*a, **kw)
-            finally:
-                timer.leave()
-
-        setattr(owner, attr, timed)
-        self.undo.append((owner, attr, original))
-
-    def wrap_generator(self, owner, attr: str, category: str) -> None:
-        """A drafter's `drafting` generator: its own code runs between yields, its forwards outside it."""
-        original = getattr(owner, attr)
-        timer = self
-
-        def timed(*a, **kw):
-            gen = original(*a, **kw)
-            sent = None
-            while True:
-                timer.enter(category)
-                try:
-                    part = gen.send(sent)
-                except StopIteration as done:
-                    return done.value
-                finally:
-                    timer.leave(count=False)
-                sent = yield part
-
-        setattr(owner, attr, timed)
-        self.undo.append((owner, attr, original))
-
-    def restore(self) -> None:
-        for owner, attr, original in reversed(self.undo):
-            setattr(owner, attr, original)
-        self.undo.clear()
-
-
-def instrument(sd: SpecDecoder, timer: SelfTimer) -> None:
-    """Charge every part of an engine step to a category: methods of this engine's objects and of their classes,
-    and the verifiers as sequence.py calls them, wrapped until `timer.restore()`."""
-    from specdecode.drafters import tree_growth
-    from specdecode.engine import sequence
-
-    engine = sd.engine
-    timer.wrap(engine, "step", "engine glue")
-    timer.wrap(engine.target, "forward_parts", "target forward")
-    draft_model = getattr(engine.drafter, "forward_model", None)
-    if draft_model is not None:
-        timer.wrap(draft_model, "forward_parts", "draft forwards")
-    for attr in ("choose", "plan", "cut", "observe", "learn", "drafted_together"):
-        timer.wrap(engine.planner, attr, "planner")
-    for attr in ("verify_chain", "verify_tree"):  # as sequence.py calls them
-        timer.wrap(sequence, attr, "verification")
-    for attr in ("prefill_part", "prefilled", "draft_request", "proposed_draft", "skip_draft", "verify_part",
-                 "verified"):
-        timer.wrap(sequence.Sequence, attr, "sequence + KV bookkeeping")
-    for cls in {type(engine.drafter), tree_growth.GrowsTrees}:
-        for attr in ("commit", "propose"):
-            if attr in vars(cls):
-                timer.wrap(cls, attr, "drafter logic")
-    for cls in {type(engine.drafter)} | {type(getattr(engine.drafter, "draft", None))} - {type(None)}:
-        if "drafting" in vars(cls):
-            timer.wrap_generator(cls, "drafting", "drafter logic")
-    try:  # a draft with another tokenizer: its text between the tokenizers (checkouts from before it lack it)
-        from specdecode.text.token_bridge import DraftSide, TokenBridge
-    except ImportError:
-        return
-    timer.wrap(DraftSide, "update", "token mapping")
-    timer.wrap(TokenBridge, "to_target", "token mapping")
-
-
 def prompts(limit: int, data: Path = DATA, skip: int = 0) -> list[tuple[str, str]]:
     """(set, text) of `limit` prompts of each dev set under `data` after its first `skip` (MT-Bench: the first
     turn)."""
@@ -305,15 +213,20 @@ def prompts(limit: int, data: Path = DATA, skip: int = 0) -> list[tuple[str, str
 
 
 def step_profile(sd: SpecDecoder, args) -> dict:
-    """Other prompts of the same sets to warm up (kernels, draft cache sizes), then these instrumented: warmed
-    up on the measured prompts, the suffix drafter would copy their whole answers."""
+    """Other prompts of the same sets to warm up (kernels, draft cache sizes), then these measured: warmed up on the
+    measured prompts, the suffix drafter would copy their whole answers. Each engine step's record comes through
+    `Engine.on_step`; the draft model's seconds per forward are the drafter's own running figure, read after each
+    measured generation."""
+    engine = sd.engine
+    if not hasattr(engine, "on_step"):
+        raise SystemExit("this checkout's engine reports no step records (Engine.on_step): no step profile")
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     texts = [text for _, text in prompts(args.prompts)]
     for _, text in prompts(args.prompts, skip=args.prompts):
         sd.generate(text, params, chat=True)
-    timer = SelfTimer()
-    instrument(sd, timer)
-    tokens, wall, accepted = 0, 0.0, []
+    records: list = []  # the StepInfo of each step
+    tokens, wall, accepted, draft_forward = 0, 0.0, [], []
+    before, engine.on_step = engine.on_step, records.append
     try:
         for text in texts:
             began = time.perf_counter()
@@ -321,10 +234,19 @@ def step_profile(sd: SpecDecoder, args) -> dict:
             wall += time.perf_counter() - began
             tokens += len(result.token_ids)
             accepted.append(result.stats.mean_accepted_length)
+            draft_forward.append(engine.drafter.forward_s)  # a wrapper (hybrid) answers with its draft model's
     finally:
-        timer.restore()
-    return {"wall_s": wall, "tokens": tokens, "steps": timer.calls["target forward"],
-            "mean_accepted_length": statistics.mean(accepted), "seconds": dict(timer.seconds)}
+        engine.on_step = before
+    seconds = {"drafting": sum(r.draft_s for r in records), "target forward": sum(r.forward_s for r in records),
+               "verify + rest": sum(r.verify_s for r in records)}
+    seconds["text + API"] = max(0.0, wall - sum(seconds.values()))
+    draft_forward = [s for s in draft_forward if s > 0.0]  # none: a drafter without forwards of its own
+    return {"wall_s": wall, "tokens": tokens, "steps": len(records),
+            "prefill_steps": sum(r.prefill_rows > 0 for r in records),
+            "draft_tokens": sum(sum(r.draft_tokens) for r in records),
+            "mean_accepted_length": statistics.mean(accepted), "seconds": seconds,
+            "draft_forward_ms": 1e3 * statistics.mean(draft_forward) if draft_forward else None,
+            "records": [asdict(r) for r in records]}
 
 
 def main() -> None:
@@ -358,7 +280,7 @@ def main() -> None:
             sd.engine.target, sd.tokenizer, _drafter(sd, method), method, None, costs=sd.engine.costs)
         if not report["forwards"]:
             models = [("target", sd.engine.target, args.rows)]
-            draft_model = getattr(sd.engine.drafter, "forward_model", None)
+            draft_model = sd.engine.drafter.needs.forward_model
             if draft_model is not None:
                 models.append(("draft (as drafter)", draft_model, args.rows))
                 plain, _ = load_model(args.draft, torch.float32, weights="stored")  # its whole LM head
@@ -392,18 +314,16 @@ def _drafter(sd: SpecDecoder, method: str):
 
 
 def print_steps(steps: dict) -> None:
-    print("\n### Steps (ms per step, summed over the run; each category its own time)\n")
-    categories = ["target forward", "draft forwards", "verification", "planner", "drafter logic", "token mapping",
-                  "sequence + KV bookkeeping", "engine glue", "text + API"]
-    print("| method | steps | tok/s | " + " | ".join(categories) + " | outside forwards |")
-    print("|---|---:|---:|" + "---:|" * (len(categories) + 1))
+    print("\n### Steps (ms per step, summed over the run: each step's record from Engine.on_step)\n")
+    categories = ["drafting", "target forward", "verify + rest", "text + API"]
+    print("| method | steps | tokens | tok/s | " + " | ".join(categories) + " | all | draft model ms / forward |")
+    print("|---|---:|---:|---:|" + "---:|" * (len(categories) + 2))
     for method, s in steps.items():
-        seconds, n = dict(s["seconds"]), s["steps"]
-        seconds["text + API"] = max(0.0, s["wall_s"] - sum(seconds.values()))
-        outside = sum(v for k, v in seconds.items() if k not in ("target forward", "draft forwards"))
-        print(f"| {method} | {n} | {s['tokens'] / s['wall_s']:.1f} | "
-              + " | ".join(f"{1e3 * seconds.get(c, 0.0) / n:.2f}" for c in categories)
-              + f" | {1e3 * outside / n:.2f} |")
+        seconds, n = s["seconds"], max(s["steps"], 1)
+        draft = "-" if s["draft_forward_ms"] is None else f"{s['draft_forward_ms']:.2f}"
+        print(f"| {method} | {s['steps']} | {s['tokens']} | {s['tokens'] / s['wall_s']:.1f} | "
+              + " | ".join(f"{1e3 * seconds[c] / n:.2f}" for c in categories)
+              + f" | {1e3 * s['wall_s'] / n:.2f} | {draft} |")
 
 
 if __name__ == "__main__":

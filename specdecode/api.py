@@ -23,7 +23,7 @@ import torch
 from specdecode.config import SamplingParams, choice_seed
 from specdecode.drafters import Drafter
 from specdecode.drafters.suffix_pool import DEFAULT_POOL_MB, open_pool
-from specdecode.engine.engine import Engine, Step
+from specdecode.engine.engine import Engine, Sequence, Step
 from specdecode.engine.sequence import TokenLogprob
 from specdecode.engine.stats import GenerationStats
 from specdecode.errors import SpecdecodeError
@@ -202,9 +202,7 @@ class SpecDecoder:
         text = TextStream(self.tokenizer, params.stop)
         steps = self.engine.generate(ids, params, num_draft_tokens, self.encode_prediction(prediction))
         for step in steps:
-            chunk = text_chunk(text, step)
-            if text.stopped:
-                self.engine.stop(self.engine.last, len(step.tokens) - len(chunk.token_ids))
+            chunk = release_text(self.engine, self.engine.last, text, step)
             yield chunk
             if chunk.finish_reason is not None:
                 steps.close()
@@ -241,17 +239,22 @@ class SpecDecoder:
                 for seq, step in engine.step():
                     if isinstance(step, Exception):
                         raise step
-                    text = texts[id(seq)]
-                    chunk = text_chunk(text, step)
-                    if text.stopped:
-                        engine.stop(seq, len(step.tokens) - len(chunk.token_ids))
-                    _extend(outs[where[id(seq)]], chunk)
+                    _extend(outs[where[id(seq)]], release_text(engine, seq, texts[id(seq)], step))
         finally:
             for seq in seqs:
                 engine.remove(seq)
         for seq, out in zip(seqs, outs):
             out.stats, out.prompt_logprobs = seq.stats, seq.prompt_logprobs
         return outs
+
+
+def release_text(engine: Engine, seq: Sequence, text: TextStream, step: Step) -> TextChunk:
+    """An engine Step -> the text it releases; a stop string found there ends the request at it. The one text and
+    stop step of the CLI, the API and the server."""
+    chunk = text_chunk(text, step)
+    if text.stopped:
+        engine.stop(seq, len(step.tokens) - len(chunk.token_ids))
+    return chunk
 
 
 def text_chunk(text: TextStream, step: Step) -> TextChunk:

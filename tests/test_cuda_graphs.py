@@ -85,12 +85,12 @@ def test_greedy_is_token_identical_through_the_static_forwards():
     params = SamplingParams(max_new_tokens=40)
     reference = run(Engine(target, NoDrafter()), params)
     for name, drafter in drafters(target).items():
-        for model in {target, drafter.forward_model} - {None}:
+        for model in {target, drafter.needs.forward_model} - {None}:
             use_graphs(model, capture=False)
         engine = Engine(target, drafter, num_draft_tokens=6)
         assert run(engine, params) == reference, name
         assert target.graphs.shapes, name
-        for model in {target, drafter.forward_model} - {None}:
+        for model in {target, drafter.needs.forward_model} - {None}:
             use_graphs(model, False)
 
 
@@ -144,8 +144,8 @@ def test_greedy_is_token_identical_replayed_as_cuda_graphs():
         engine = Engine(target, drafter, num_draft_tokens=6)
         assert run(engine, params) == reference, name
         assert target.graphs.shapes and all(s.graph is not None for s in target.graphs.shapes.values()), name
-        if drafter.forward_model is not None and drafter.forward_model is not target:
-            assert drafter.forward_model.graphs.shapes, name
+        if drafter.needs.forward_model is not None and drafter.needs.forward_model is not target:
+            assert drafter.needs.forward_model.graphs.shapes, name
 
 
 def test_shapes_are_made_again_when_the_weights_move_and_buffers_serve_any_grad_mode():

@@ -177,7 +177,7 @@ def test_draft_forward_time_leaves_out_the_prompt_and_catching_up(target, monkey
     from specdecode.drafters.tree_growth import GrowsTrees
 
     timed = []
-    monkeypatch.setattr(GrowsTrees, "forward_took", lambda self, seconds: timed.append(seconds))
+    monkeypatch.setattr(GrowsTrees, "hear", lambda self, event: timed.append(event.seconds))
     drafter = DraftModelDrafter(tiny_native("qwen2", seed=1), vocab_size=64)
     params = SamplingParams(max_new_tokens=8)
     draft = drafter.propose(DraftContext(PROMPT, params, None), 4)  # the prompt, the root, then 3 deeper forwards

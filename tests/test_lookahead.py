@@ -10,6 +10,7 @@ from toy import DRAFTER_PROMPTS, BigramModel, assert_exact_distribution, exact_s
 from specdecode.config import SamplingParams
 from specdecode.drafters import NoDrafter
 from specdecode.drafters.base import DraftContext
+from specdecode.drafters.draft import TargetSaw
 from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.engine.engine import Engine
 from specdecode.kernels import cpu_kernels
@@ -29,7 +30,7 @@ def test_the_window_is_a_chain_and_the_targets_predictions_become_ngrams_and_the
     draft = drafter.propose(DraftContext([10, 11, 12, 13, 14, 5], SamplingParams(), None), max_tokens=8)
     assert draft.tokens.tolist() == [11, 12, 13, 14] and draft.is_chain  # no pool yet: the window alone
     # the target's argmax after the root and after each window row
-    drafter.saw_target(torch.tensor([5, 11, 12, 13, 14]), torch.tensor([[20], [21], [22], [23], [24]]))
+    drafter.hear(TargetSaw(torch.tensor([5, 11, 12, 13, 14]), torch.tensor([[20], [21], [22], [23], [24]])))
     drafter.commit([], verified=[0, 1, 2, 3])
     assert drafter.guess == [21, 22, 23, 24]  # the next Jacobi guess: what the target predicted
     # endorsed 3-grams: (5, 11, 21), (11, 12, 22), (12, 13, 23), (13, 14, 24): drafted when their key comes up

@@ -9,6 +9,7 @@ from toy import DRAFTER_PROMPTS, BigramModel, assert_exact_distribution, exact_s
 from specdecode.config import SamplingParams
 from specdecode.drafters import NoDrafter
 from specdecode.drafters.base import DraftContext
+from specdecode.drafters.draft import TargetSaw
 from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.engine.engine import Engine
 from specdecode.kernels import cpu_kernels
@@ -24,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("costs_as_given")
 
 def test_a_tree_grows_best_first_from_the_targets_recorded_guesses():
     drafter = RecycleDrafter(vocab_size=10, width=2)
-    drafter.saw_target(torch.tensor([1, 2, 3]), torch.tensor([[2, 5] + [0] * 6, [3, 6] + [0] * 6,
-                                                              [4, 7] + [0] * 6]))
+    drafter.hear(TargetSaw(torch.tensor([1, 2, 3]), torch.tensor([[2, 5] + [0] * 6, [3, 6] + [0] * 6,
+                                                                  [4, 7] + [0] * 6])))
     draft = drafter.propose(DraftContext([9, 1], SamplingParams(), None), max_tokens=4)
     draft.check()
     # best first by the product of the prior rates along the path: 2 (0.3), 1's runner-up 5 (0.1), 3 (0.09),

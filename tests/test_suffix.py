@@ -11,6 +11,7 @@ from toy import DRAFTER_PROMPTS, BigramModel, assert_exact_distribution, exact_s
 from specdecode.config import SamplingParams
 from specdecode.drafters import NoDrafter
 from specdecode.drafters.base import DraftContext
+from specdecode.drafters.draft import Finished
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.drafters.suffix_pool import SuffixPool
 from specdecode.engine.engine import Engine
@@ -120,7 +121,7 @@ def test_drafts_merge_every_occurrence_of_the_longest_match_by_frequency():
     assert draft.scores[eight] > draft.scores[nine]  # 8 followed twice, 9 once
     chain = SuffixDrafter(pool, branches=1).propose(DraftContext([0, 5, 6], SamplingParams(), None), 8)
     assert chain.is_chain and chain.tokens.tolist()[:1] == [7]
-    drafter.finished([40, 41, 42])
+    drafter.hear(Finished([40, 41, 42]))
     assert drafter.fork().pool is pool and pool.matches(np.array([40, 41]))[1] == 2
     # a seeded sampled request drafts from its own context only: its text may not depend on earlier traffic
     seeded = SamplingParams(temperature=1.0, seed=7)

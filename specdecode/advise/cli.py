@@ -154,7 +154,7 @@ def extra_memory(name: str, models, runners) -> dict[str, int]:
 
     drafter = runners[name].decoder.engine.drafter
     return {"extra_weights_bytes": weights_bytes(name, models) - weights_bytes("none", models),
-            "extra_cache_bytes_per_token": drafter.cache_bytes_per_token}
+            "extra_cache_bytes_per_token": drafter.needs.cache_bytes_per_token}
 
 
 def encoder(target, tokenizer, max_len: int):

@@ -24,36 +24,26 @@ from collections.abc import Generator
 
 import torch
 
-from specdecode.drafters.draft import Draft, DraftContext
+from specdecode.drafters.draft import Draft, DraftContext, Event, Needs
 from specdecode.drafters.lockstep import run_alone
 from specdecode.models.parts import Part
 
-__all__ = ["Draft", "DraftContext", "Drafter"]
+__all__ = ["Draft", "DraftContext", "Drafter", "Needs"]
 
 
 class Drafter:
     """The base every drafter extends: `fork`, `reset`, `propose` (or `drafting`) and `commit`, plus the
     capabilities below, declared here with the defaults of a drafter that needs nothing."""
 
-    feature_layers: tuple[int, ...] = ()  # target layers whose inputs it reads (after the final hidden state)
-    reads_every_position: bool = False  # hidden states of every position, not just the last step's
-    reads_hidden: bool = False  # reads DraftContext.hidden at all (a trained head); others get None
+    needs: Needs = Needs()  # what it needs from the engine (drafters/draft.py), declared once
+    name: str = "drafter"  # what statistics call it: which drafter proposed each accepted token
     forward_s: float = 0.0  # its running seconds per forward (the planner's estimate of a catch-up)
     drafting_s: float = 0.0  # what its last draft cost, catching up excluded
-    cache_bytes_per_token: int = 0  # what its own KV cache holds per token of context (in the engine's KV budget)
-    name: str = "drafter"  # what statistics call it: which drafter proposed each accepted token
-    target_topk: int = 0  # the target's likeliest next tokens it learns from after every forward (`saw_target`)
 
     @property
     def proposer(self) -> str:
         """Who proposed the last draft: its name (a drafter that chooses among others names the one it chose)."""
         return self.name
-
-    @property
-    def forward_model(self) -> torch.nn.Module | None:
-        """The model whose forwards `drafting` yields: the engine batches them across requests. None: it drafts
-        without forwards of its own, or runs them itself (`propose`)."""
-        return None
 
     @property
     def trained_weights(self) -> torch.nn.Module | None:
@@ -69,10 +59,10 @@ class Drafter:
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """Guess up to `max_tokens` tokens that follow `ctx.tokens`."""
-        return run_alone(self.drafting(ctx, max_tokens), self.forward_model, self)
+        return run_alone(self.drafting(ctx, max_tokens), self.needs.forward_model, self)
 
     def drafting(self, ctx: DraftContext, max_tokens: int) -> Generator[Part, torch.Tensor, Draft]:
-        """`propose` as a generator of the forwards of `forward_model` it needs: yields each Part, is sent its
+        """`propose` as a generator of the forwards of `needs.forward_model`: yields each Part, is sent its
         logits, returns the Draft. A drafter without such forwards yields none."""
         return self.propose(ctx, max_tokens)
         yield  # a generator all the same
@@ -81,21 +71,13 @@ class Drafter:
         """The target kept these nodes of the last draft (root to leaf); roll own state to match. `verified`:
         the nodes of that draft the target saw (the planner may have cut it to fewer), None = all."""
 
-    def passed_over(self, accepted: list[int], verified: list[int]) -> None:
-        """Its last draft was not taken (another drafter proposed): what it would have given against the tokens
-        that followed (as `commit` takes them), to learn from; its state stays as it is."""
-
     def behind(self, tokens: list[int]) -> int:
         """Tokens its own state lacks: what its next draft first feeds (a prompt, or steps it sat out)."""
         return 0
 
-    def forward_took(self, seconds: float) -> None:
-        """One of its forwards (its share, when batched with other requests') took `seconds`."""
-
-    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor, proposed: list[int] | None = None) -> None:
-        """After the target's forward over `tokens` [rows] (the root and the draft nodes it verified, whether or
-        not this drafter proposed them): its `target_topk` likeliest next tokens after each row [rows, k].
-        `proposed`: each draft row's index in the draft as proposed (the planner may have cut it), None = same."""
+    def hear(self, event: Event) -> None:
+        """One of the events in drafters/draft.py (the target's top guesses after a forward, a draft passed over,
+        a step sat out, the request finished, a forward's time): a drafter handles those it learns from."""
 
     def prediction_counts(self) -> tuple[int, int] | None:
         """(tokens predicted, of those accepted so far) for a request that came with a prediction (Predicted
@@ -107,9 +89,3 @@ class Drafter:
         `restore(state)`: a benchmark runs every repeat of a prompt from the same memory."""
         return []
 
-    def finished(self, answer: list[int]) -> None:
-        """Its request ended with this answer (not cancelled, not failed): a drafter that learns across requests
-        (suffix decoding's pool) keeps it."""
-
-    def sat_out(self, ctx: DraftContext) -> None:
-        """Another drafter proposed this step in its place (hybrid): keep what it will need later."""

@@ -1,5 +1,5 @@
 """What a drafter hands the engine and what it reads: a `Draft` (tokens, their parents, scores, the distributions
-they were drawn from) and the `DraftContext` of one step.
+they were drawn from), the `DraftContext` of one step, and the events it may hear (`Drafter.hear`).
 
 A chain is a tree whose parents are [-1, 0, 1, ...]; tree drafters fill `parents` with every parent before its
 child. `probs=None` means each token is a point mass (a deterministic guess); otherwise row i is the distribution
@@ -138,7 +138,7 @@ class DraftContext:
     tokens: list[int]  # prompt + every emitted token so far; the last one is not yet in the target's cache
     params: SamplingParams  # the request's sampling settings, so draft probabilities match the target's
     generator: torch.Generator | None  # the request's generator (None when greedy)
-    # [T, d] target hidden states of the last step's emitted tokens, if any. A drafter that `reads_every_position`
+    # [T, d] target hidden states of the last step's emitted tokens, if any. A drafter whose `Needs.every_position`
     # gets every position it has not seen yet instead (the prompt's first), with its `feature_layers`' inputs.
     hidden: torch.Tensor | None = None
     plan: StepPlan = FIXED  # what this draft may cost: ask it whether to grow, whether to copy
@@ -146,3 +146,66 @@ class DraftContext:
     # The request's penalties and grammar (rules.OutputRules), None when it has none: a drafter that scores tokens
     # applies them along each node's path, so its guesses follow the same rules the target's are checked under.
     rules: Any = None
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a drafter needs from the engine, declared once (`Drafter.needs`); the default needs nothing."""
+
+    hidden: bool = False  # the target's hidden states in DraftContext.hidden (a trained head); others get None
+    every_position: bool = False  # of every position it has not seen yet, not just the last step's (EAGLE)
+    feature_layers: tuple[int, ...] = ()  # target layers whose inputs follow the final hidden state
+    target_topk: int = 0  # the target's likeliest next tokens after every forward (the TargetSaw event)
+    # The model whose forwards `drafting` yields: the engine batches them across requests. None: it drafts without
+    # forwards of its own, or runs them itself (`propose`).
+    forward_model: torch.nn.Module | None = None
+    cache_bytes_per_token: int = 0  # what its own KV cache holds per token of context (in the engine's KV budget)
+
+
+# --- events: what a drafter may hear besides `commit` (Drafter.hear), one typed value each ---------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSaw:
+    """After the target's forward over `tokens` [rows] (the root and the draft nodes it verified, whoever proposed
+    them): its `target_topk` likeliest next tokens after each row, `top` [rows, k]. `proposed`: each draft row's
+    index in the draft as proposed (the planner may have cut it), None = the same. Heard by a drafter whose
+    `target_topk` is above 0 (token recycling, lookahead)."""
+
+    tokens: torch.Tensor
+    top: torch.Tensor
+    proposed: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PassedOver:
+    """Its last draft was not taken (another drafter proposed): what it would have given against the tokens that
+    followed, as `commit` takes them, to learn from; its state stays as it is."""
+
+    accepted: list[int]
+    verified: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class SatOut:
+    """Another drafter proposed this step in its place (hybrid): what it will need later is in `ctx`."""
+
+    ctx: DraftContext
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Its request ended with this answer (not cancelled, not failed): a drafter that learns across requests
+    (suffix decoding's pool) keeps it, one that holds a cache lends it on."""
+
+    answer: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardTook:
+    """One of its forwards (its share, when batched with other requests') took `seconds`."""
+
+    seconds: float
+
+
+Event = TargetSaw | PassedOver | SatOut | Finished | ForwardTook

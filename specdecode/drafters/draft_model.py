@@ -34,6 +34,7 @@ from collections.abc import Generator
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext
+from specdecode.drafters.draft import Event, Finished, ForwardTook, Needs
 from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees, Node
 from specdecode.models.kv_cache import bytes_per_token
 from specdecode.models.model import prompt_as_decode_rows, rows_exact
@@ -92,14 +93,7 @@ class DraftModelDrafter(GrowsTrees):
         # a cache slot past the head holds context token slot + skipped
         self.context: list[int] | None = None  # the request's tokens: the engine's list, which grows with the answer
         self.spare = spare or SpareCache()  # one finished fork's cache (a few MB), for the next fork's request
-
-    @property
-    def forward_model(self) -> torch.nn.Module:
-        return self.model
-
-    @property
-    def cache_bytes_per_token(self) -> int:
-        return bytes_per_token(self.model) or 0
+        self.needs = Needs(forward_model=model, cache_bytes_per_token=bytes_per_token(model) or 0)
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.model, self.vocab_size, self.initial_len, self.min_confidence, self.width,
@@ -185,7 +179,13 @@ class DraftModelDrafter(GrowsTrees):
             return prompt, 0, kept
         return prompt[:head] + prompt[head + skipped :], skipped, min(kept, head)
 
-    def finished(self, answer: list[int]) -> None:
+    def hear(self, event: Event) -> None:
+        if isinstance(event, Finished):
+            self._finished()
+        elif isinstance(event, ForwardTook) and not self.catching_up:  # many rows at once: not a draft forward's cost
+            super().hear(event)
+
+    def _finished(self) -> None:
         """Its cache holds the prompt and the answer as far as it fed them: kept, so that a chat's next turn, which
         starts with both, copies them (rows computed as the target's are, where its prompt cache is on). A
         windowed prompt's cache is no prefix of the next turn: not kept."""
@@ -213,10 +213,6 @@ class DraftModelDrafter(GrowsTrees):
             self.cache.keep(slots)
         else:
             self.cache.truncate(self.base_length + len(slots))
-
-    def forward_took(self, seconds: float) -> None:
-        if not self.catching_up:  # many rows at once: not what a draft forward costs
-            super().forward_took(seconds)
 
     def _nodes_part(self, expand: list[int], nodes: list[Node]) -> Part:
         """One draft forward over the nodes `expand` (one depth), each seeing the prefix and its ancestors."""

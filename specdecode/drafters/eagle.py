@@ -15,11 +15,11 @@ depth-k draft node attends to at generation time (the prefix, its ancestors, its
 
 The drafter keeps the head's own one-layer KV cache over the committed context: row i holds the target's features
 at position i with the token at i + 1. Each step it first catches up on the rows the target computed since (the
-engine hands over every new position's features: `reads_every_position`), whose last row, the root's, predicts
+engine hands over every new position's features: `Needs.every_position`), whose last row, the root's, predicts
 the first draft token. The tree grows best nodes first, as a draft model's does (tree_growth.py), the planner
 deciding how far. Nodes live in cache slots after the context; `commit` drops them all: the accepted tokens come
 back next step with the target's true features. A step it sits out (another drafter proposed, as in
-`hybrid-eagle`) hands it that step's features (`sat_out`), read at the next catching up.
+`hybrid-eagle`) hands it that step's features (`SatOut`), read at the next catching up.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.drafters.base import Draft, DraftContext
+from specdecode.drafters.draft import Event, ForwardTook, Needs, SatOut
 from specdecode.drafters.tree_growth import DepthTrust, ForwardTime, GrowsTrees, Node
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.parts import ids_and_positions, rows_mask
@@ -181,16 +182,15 @@ TREE_EXPAND = 2  # nodes of a depth fed on: a head forward is cheap next to the 
 class EagleDrafter(GrowsTrees):
     name = "eagle"
 
-    reads_every_position = True  # every position's target features, not just the last step's (sequence.py)
-    reads_hidden = True
-
     def __init__(self, head: EagleHead, target: torch.nn.Module, feature_layers: tuple[int, ...],
                  width: int = TREE_WIDTH, expand: int = TREE_EXPAND, max_depth: int = 8,
                  min_confidence: float = HEAD_MIN_CONFIDENCE, clock: ForwardTime | None = None) -> None:
         self.model = head
         self.device = head.device
         self.target = target
-        self.feature_layers = tuple(feature_layers)  # the engine has the target return their inputs
+        c = head.config  # every position's target features, the inputs of `feature_layers` too (sequence.py)
+        self.needs = Needs(hidden=True, every_position=True, feature_layers=tuple(feature_layers),
+                           cache_bytes_per_token=2 * c.num_kv_heads * c.head_dim * 4)  # one float32 layer
         self.width, self.expand, self.max_depth = width, expand, max_depth
         self.min_confidence = min_confidence
         self.vocab_size = target.config.vocab_size
@@ -215,16 +215,11 @@ class EagleDrafter(GrowsTrees):
         return self.model
 
     @property
-    def cache_bytes_per_token(self) -> int:
-        c = self.model.config
-        return 2 * c.num_kv_heads * c.head_dim * 4  # one float32 layer
-
-    @property
     def head_tokens(self) -> torch.Tensor:
         return self.model.head_tokens  # the head's own buffer, wherever the head was moved
 
     def fork(self) -> EagleDrafter:
-        return EagleDrafter(self.model, self.target, self.feature_layers, self.width, self.expand, self.max_depth,
+        return EagleDrafter(self.model, self.target, self.needs.feature_layers, self.width, self.expand, self.max_depth,
                             self.min_confidence, self.clock)
 
     def reset(self) -> None:
@@ -248,16 +243,19 @@ class EagleDrafter(GrowsTrees):
             while True:  # the head's own forwards, one depth each
                 began = time.perf_counter()
                 logits = self._feed(expand, nodes)
-                self.forward_took(time.perf_counter() - began)
+                self.hear(ForwardTook(time.perf_counter() - began))
                 expand, nodes = growth.send(logits)
         except StopIteration as done:
             self.drafting_s = time.perf_counter() - started
             return done.value
 
-    def sat_out(self, ctx: DraftContext) -> None:
-        """Keep the features handed over, for the next catching up."""
-        if ctx.hidden is not None:
-            self.pending = ctx.hidden if self.pending is None else torch.cat((self.pending, ctx.hidden))
+    def hear(self, event: Event) -> None:
+        if isinstance(event, SatOut):  # keep the features handed over, for the next catching up
+            hidden = event.ctx.hidden
+            if hidden is not None:
+                self.pending = hidden if self.pending is None else torch.cat((self.pending, hidden))
+        else:
+            super().hear(event)
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:
         # Draft nodes were fed with the head's own hidden states; the accepted ones come back next step with

@@ -18,7 +18,7 @@ model misses the stretches where it would pay.
 
 A copier whose draft was passed over still learns from it: at its next look the tokens that followed are known,
 and what its draft would have given against them (its nodes no deeper than those tokens, `hindsight`) goes into
-its own record (`passed_over`: the n-gram's rate of accepted guesses). Learning only from the steps it drafts,
+its own record (`PassedOver`: the n-gram's rate of accepted guesses). Learning only from the steps it drafts,
 a copier whose first guesses were scored low was never taken again, even while it guessed whole lines right (a
 function's body repeated with a new name: 16 of 16 copied tokens right, step after step, while the model
 drafted). Its trust (`copy_trust`) learns from verified drafts only: judged in hindsight, only as deep as a step's tokens
@@ -27,7 +27,7 @@ reach, where copies are right most often, it overrated copies (1.67-1.70x `none`
 
 The model sits out the steps a copier takes. A draft model feeds what it missed in one forward when it drafts
 again; that catching up is not charged to its record (the draft model leaves it out of its forward count and
-its time per forward). An EAGLE head is handed the target's features of those steps (`sat_out`) and reads them
+its time per forward). An EAGLE head is handed the target's features of those steps (`SatOut`) and reads them
 with the next step's, in its usual catching up.
 Which drafter proposes depends only on the context and on past steps, never on a draw of this step, so the
 verifier's guarantees hold as for any drafter alone.
@@ -36,10 +36,12 @@ verifier's guarantees hold as for any drafter alone.
 from __future__ import annotations
 
 from collections.abc import Generator
+from dataclasses import replace
 
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.draft import Event, Finished, Needs, PassedOver, SatOut, TargetSaw
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.ngram import NgramDrafter, share_index
@@ -64,7 +66,8 @@ class HybridDrafter(Wrapping):
         self.ngram = NgramDrafter(max_ngram=max(max_ngram, MIN_NGRAM), min_ngram=MIN_NGRAM,
                                   branches=NGRAM_BRANCHES if copy_trees else 1)
         self.copiers: tuple[Drafter, ...] = (self.ngram, *others)
-        self._target_topk = max(d.target_topk for d in (self.draft, *self.copiers))
+        # the model's needs, and the target's top guesses as far as any of its drafters reads them
+        self._needs = replace(draft.needs, target_topk=max(d.needs.target_topk for d in (self.draft, *self.copiers)))
         self.reset()
 
     @property
@@ -80,17 +83,20 @@ class HybridDrafter(Wrapping):
         return self.draft.drafting_s if self.used is self.draft else 0.0
 
     @property
-    def target_topk(self) -> int:  # read every step: asked of its drafters once
-        return self._target_topk
+    def needs(self) -> Needs:  # read every step: made once
+        return self._needs
 
-    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor, proposed: list[int] | None = None) -> None:
-        for drafter in (self.draft, *self.copiers):  # recycling learns from every step, whoever proposed
-            if drafter.target_topk:
-                drafter.saw_target(tokens, top[:, : drafter.target_topk], proposed if drafter is self.used else None)
-
-    def finished(self, answer: list[int]) -> None:
-        for drafter in (self.draft, *self.copiers):
-            drafter.finished(answer)
+    def hear(self, event: Event) -> None:
+        if isinstance(event, TargetSaw):  # recycling learns from every step, whoever proposed
+            for drafter in (self.draft, *self.copiers):
+                if k := drafter.needs.target_topk:
+                    drafter.hear(TargetSaw(event.tokens, event.top[:, :k],
+                                           event.proposed if drafter is self.used else None))
+        elif isinstance(event, Finished):
+            for drafter in (self.draft, *self.copiers):
+                drafter.hear(event)
+        else:  # its model's forwards, and steps it sat out
+            self.draft.hear(event)
 
     def memories(self) -> list:
         return [m for drafter in (self.draft, *self.copiers) for m in drafter.memories()]
@@ -136,11 +142,11 @@ class HybridDrafter(Wrapping):
         self.copied = copied
         if copier is not None and ctx.plan.copy_beats(value, self.record):
             self.used = copier
-            self.draft.sat_out(ctx)
+            self.draft.hear(SatOut(ctx))
             draft = copied
         else:
             self.used = self.draft
-            if self.draft.forward_model is None:  # a head drafts in its own forwards
+            if self.draft.needs.forward_model is None:  # a head drafts in its own forwards
                 draft = self.draft.propose(ctx, max_tokens)
             else:
                 draft = yield from self.draft.drafting(ctx, max_tokens)
@@ -156,7 +162,7 @@ class HybridDrafter(Wrapping):
             for copier, draft in self.not_taken:
                 accepted, verified = hindsight(draft, followed)
                 if verified:
-                    copier.passed_over(accepted, verified)
+                    copier.hear(PassedOver(accepted, verified))
         self.not_taken = []
 
     def commit(self, accepted: list[int], verified: list[int] | None = None) -> None:

@@ -1,5 +1,5 @@
 """Running drafters as generators (`Drafter.drafting(ctx, max_tokens)`): each yields the forwards of its
-`forward_model` it needs as `Part`s over its own cache, is sent the logits, and returns its Draft.
+`needs.forward_model` it needs as `Part`s over its own cache, is sent the logits, and returns its Draft.
 
 `run_alone` serves one drafter: one forward per part. `run_batched` serves the drafters of many requests at once
 (the engine's step): every round, the parts all of them wait for go through ONE forward of their shared
@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from specdecode.drafters.draft import Draft
+from specdecode.drafters.draft import Draft, ForwardTook
 from specdecode.models.parts import Part
 
 Drafting = Generator[Part, torch.Tensor, Draft]
@@ -24,7 +24,7 @@ Drafting = Generator[Part, torch.Tensor, Draft]
 class Drafter(Protocol):
     """What running a drafter's forwards tells it (drafters/base.py declares it for every drafter)."""
 
-    def forward_took(self, seconds: float) -> None: ...
+    def hear(self, event: ForwardTook) -> None: ...
 
 
 def run_alone(drafting: Drafting, model: torch.nn.Module | None, drafter: Drafter) -> Draft:
@@ -93,5 +93,5 @@ def _forward(model: torch.nn.Module, parts: list[Part], drafters: list[Drafter])
         part.cache.truncate(part.cache.length + part.count)
     if all(part.decode for part in parts):
         for drafter in drafters:
-            drafter.forward_took(seconds)
+            drafter.hear(ForwardTook(seconds))
     return [logits for logits, _ in outputs]

@@ -10,7 +10,7 @@ and scored like prompt lookup's copies (ngram.py: share of the n-grams through a
 
 Here the window is one chain under the root, in the same verify forward as the candidates: the tree mask shows
 each row its own chain, so the window needs nothing of the engine but the target's top guesses at every row
-(`saw_target`), and a window that does converge is accepted like any draft. The window's rows cost verify rows
+(`TargetSaw`), and a window that does converge is accepted like any draft. The window's rows cost verify rows
 but yield tokens only later, through the pool: each row is scored at the pool's measured yield (draft tokens
 accepted from pool n-grams, over window rows fed), so the planner keeps as many rows as pay on this machine's
 cost curve. On a CPU, where rows beyond the eighth cost ~8% of a forward each, that is often none.
@@ -23,6 +23,7 @@ from collections import deque
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.draft import Event, Needs, TargetSaw
 from specdecode.drafters.ngram import trie
 from specdecode.planner.estimates import RunningRate
 from specdecode.planner.tuning import (
@@ -43,7 +44,7 @@ class LookaheadDrafter(Drafter):
 
     def __init__(self, window: int = WINDOW, ngram: int = NGRAM, per_key: int = POOL_PER_KEY) -> None:
         self.window, self.ngram, self.per_key = window, ngram, per_key
-        self.target_topk = 1
+        self.needs = Needs(target_topk=1)
         self.reset()
 
     def fork(self) -> LookaheadDrafter:
@@ -83,10 +84,12 @@ class LookaheadDrafter(Drafter):
         self.outputs = {}
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None, scores)
 
-    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor, proposed: list[int] | None = None) -> None:
+    def hear(self, event: Event) -> None:
         """Keep the target's argmax at each window row it verified (row 0 is the root)."""
-        best = top[:, 0].tolist()
-        nodes = range(len(best) - 1) if proposed is None else proposed
+        if not isinstance(event, TargetSaw):
+            return
+        best = event.top[:, 0].tolist()
+        nodes = range(len(best) - 1) if event.proposed is None else event.proposed
         for row, node in enumerate(nodes, start=1):
             if node >= self.candidates:
                 self.outputs[node - self.candidates + 1] = best[row]

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.draft import Needs
 from specdecode.weights.store import load_head
 
 
@@ -75,7 +76,7 @@ def static_tree(accuracy: list[list[float]], max_nodes: int) -> list[tuple[int, 
 
 class MedusaDrafter(Drafter):
     name = "medusa"
-    reads_hidden = True  # its heads read the target's last hidden state
+    needs = Needs(hidden=True)  # its heads read the target's last hidden state
 
     def __init__(self, heads: MedusaHeads, accuracy: list[list[float]], width: int | None = None,
                  max_nodes: int = MAX_NODES) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.draft import Event, PassedOver
 from specdecode.planner.estimates import RunningRate
 from specdecode.planner.tuning import NGRAM_PRIOR_RATE, NGRAM_PRIOR_WEIGHT
 
@@ -63,7 +64,9 @@ class NgramDrafter(Drafter):
             if node in has_children:
                 self.rate.add(i + 1 < len(on_path), 1)
 
-    passed_over = commit  # all its commit does is learn, and a draft passed over teaches the same
+    def hear(self, event: Event) -> None:
+        if isinstance(event, PassedOver):  # all its commit does is learn, and a draft passed over teaches the same
+            self.commit(event.accepted, event.verified)
 
 
 def share_index(drafters: Sequence[object]) -> None:

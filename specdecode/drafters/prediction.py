@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.draft import SatOut
 from specdecode.drafters.wrapping import Wrapping
 from specdecode.models.parts import Part
 from specdecode.planner.estimates import RunningRate
@@ -115,13 +116,13 @@ class PredictionDrafter(Wrapping):
         rival = plain_record(ctx.plan) if on else self.record
         if draft is not None and ctx.plan.copy_pays(draft.scores, max_tokens, rival):
             self.copied, self.nodes = True, len(draft)
-            self.inner.sat_out(ctx)
+            self.inner.hear(SatOut(ctx))
             return draft
         self.copied = False
         self.used_inner = self.inner_pays(ctx)
         if not self.used_inner:  # off the prediction, where the own drafter does not pay: plain decoding
             self.skipped += 1
-            self.inner.sat_out(ctx)
+            self.inner.hear(SatOut(ctx))
             self.nodes = 0
             return Draft.empty()
         began = time.perf_counter()

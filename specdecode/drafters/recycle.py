@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.draft import Event, Needs, PassedOver, TargetSaw
 
 TABLE_WIDTH = 8  # next tokens kept per token: the paper's choice; siblings beyond the 4th are rarely kept
 PRIOR_RATES = (0.3, 0.1, 0.05, 0.03, 0.02, 0.02, 0.01, 0.01)  # by rank, before any request has a record
@@ -61,7 +62,7 @@ class RecycleDrafter(Drafter):
         """`width`: children per node (1 drafts a chain). `table`: shared with the drafter forked from."""
         self.table = table or RecycleTable(vocab_size, TABLE_WIDTH)
         self.width = min(width, self.table.width)
-        self.target_topk = self.table.width
+        self.needs = Needs(target_topk=self.table.width)
         self.reset()
 
     def fork(self) -> RecycleDrafter:
@@ -76,8 +77,11 @@ class RecycleDrafter(Drafter):
     def memories(self) -> list:
         return [self.table]
 
-    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor, proposed: list[int] | None = None) -> None:
-        self.table.record(tokens, top)
+    def hear(self, event: Event) -> None:
+        if isinstance(event, TargetSaw):
+            self.table.record(event.tokens, event.top)
+        elif isinstance(event, PassedOver):  # all its commit does is learn, and a draft passed over teaches the same
+            self.commit(event.accepted, event.verified)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         rates = (self.hits / self.tried).tolist()
@@ -120,4 +124,3 @@ class RecycleDrafter(Drafter):
                     record.tried[self.ranks[node]] += 1
                     record.hits[self.ranks[node]] += node in taken
 
-    passed_over = commit  # all its commit does is learn, and a draft passed over teaches the same

@@ -17,6 +17,7 @@ import bisect
 import numpy as np
 
 from specdecode.drafters.base import DraftContext
+from specdecode.drafters.draft import Event, Finished
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix_pool import (
     FEW_CANDIDATES,
@@ -88,6 +89,9 @@ class SuffixDrafter(NgramDrafter):
     def memories(self) -> list:
         return [self.pool]
 
-    def finished(self, answer: list[int]) -> None:
-        self.pool.add(answer)
-        self.pool.save_soon()
+    def hear(self, event: Event) -> None:
+        if isinstance(event, Finished):
+            self.pool.add(event.answer)
+            self.pool.save_soon()
+        else:
+            super().hear(event)

@@ -23,6 +23,7 @@ from typing import TypeVar
 import torch
 
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.draft import Event, ForwardTook
 from specdecode.models.parts import RowSlots
 from specdecode.planner.estimates import RunningMean, RunningRate
 from specdecode.planner.tuning import FOLLOW, FORWARD_WEIGHT, MODEL_TRUST_DECAY, MODEL_TRUST_PRIOR, MODEL_TRUST_RANGE
@@ -128,8 +129,9 @@ class GrowsTrees(Drafter):
         ids, positions = [nodes[i].token for i in expand], [base_length - 1 + nodes[i].depth for i in expand]
         return ids, positions, RowSlots(spans, extras if any(extras) else [])
 
-    def forward_took(self, seconds: float) -> None:
-        self.clock.took(seconds)
+    def hear(self, event: Event) -> None:
+        if isinstance(event, ForwardTook):
+            self.clock.took(event.seconds)
 
     def learn_trust(self, accepted: list[int], verified: list[int] | None) -> None:
         """Its last draft's verified nodes (indices into it; None: all) and the accepted ones -> its trust."""

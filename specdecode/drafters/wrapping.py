@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-import torch
-
-from specdecode.drafters.base import DraftContext, Drafter
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.draft import Event
 
 
 def _inner(name: str) -> property:
@@ -19,13 +18,8 @@ class Wrapping(Drafter):
     def __init__(self, inner: Drafter) -> None:
         self.inner = inner
 
-    feature_layers = _inner("feature_layers")  # an EAGLE head reads every position's features, copied ones too
-    reads_every_position = _inner("reads_every_position")
-    reads_hidden = _inner("reads_hidden")
-    cache_bytes_per_token = _inner("cache_bytes_per_token")
-    target_topk = _inner("target_topk")
+    needs = _inner("needs")  # an EAGLE head reads every position's features, copied ones too
     proposer = _inner("proposer")
-    forward_model = _inner("forward_model")
     trained_weights = _inner("trained_weights")
     forward_s = _inner("forward_s")
     drafting_s = _inner("drafting_s")
@@ -33,17 +27,8 @@ class Wrapping(Drafter):
     def behind(self, tokens: list[int]) -> int:
         return self.inner.behind(tokens)
 
-    def forward_took(self, seconds: float) -> None:
-        self.inner.forward_took(seconds)
-
-    def sat_out(self, ctx: DraftContext) -> None:
-        self.inner.sat_out(ctx)
-
-    def saw_target(self, tokens: torch.Tensor, top: torch.Tensor, proposed: list[int] | None = None) -> None:
-        self.inner.saw_target(tokens, top, proposed)
-
-    def finished(self, answer: list[int]) -> None:
-        self.inner.finished(answer)
+    def hear(self, event: Event) -> None:
+        self.inner.hear(event)
 
     def memories(self) -> list:
         return self.inner.memories()

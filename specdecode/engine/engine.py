@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +32,7 @@ import torch
 from specdecode import settings
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.draft import Finished
 from specdecode.drafters.lockstep import run_batched
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.engine.sequence import Sequence, Step
@@ -44,25 +45,26 @@ from specdecode.models.prompt_cache import PromptCache
 from specdecode.models.spare_cache import SpareCache
 from specdecode.planner.budget import CostCurve
 from specdecode.planner.planner import Planner
-from specdecode.planner.tuning import MAX_AUTO_NODES
+from specdecode.planner.tuning import MAX_AUTO_NODES, PREFILL_ROWS_BUSY, PREFILL_ROWS_ECHO, PREFILL_ROWS_IDLE
 
 __all__ = ["Engine", "Sequence", "Step", "StepInfo", "check_prompt", "kv_budget_tokens"]
 
-PREFILL_ROWS_BUSY = 64  # prompt rows per step while other requests decode (their inter-token latency)
-PREFILL_ROWS_IDLE = 512  # prompt rows per step when nobody decodes
-PREFILL_ROWS_ECHO = 64  # prompt rows per step of a request that wants every row's logits (prompt logprobs)
 
 Outcome = tuple[Sequence, "Step | Exception"]
 
 
 @dataclass
 class StepInfo:
-    """What the last step did, for /metrics."""
+    """What one step did and where its time went: /metrics reads the last one, and a profiler is handed each as it
+    ends (`Engine.on_step`), so nothing needs patching to time a step."""
 
     requests: int = 0  # requests with rows in the forward (decoding and prefilling)
     rows: int = 0
     prefill_rows: int = 0
     draft_tokens: list[int] = field(default_factory=list)  # per decoding request, the draft size verified
+    draft_s: float = 0.0  # from the step's start to its target forward: prompt chunks, the planner, drafting
+    forward_s: float = 0.0  # the target forward (on a GPU: its launch, the clock runs ahead of the device)
+    verify_s: float = 0.0  # after it: verification, the caches kept, drafters' commits, finished requests
 
 
 class Engine:
@@ -86,6 +88,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.reserved: dict[Sequence, int] = {}
         self.last_step = StepInfo()
+        self.on_step: Callable[[StepInfo], None] | None = None  # called with each step's record as it ends
         self.last: Sequence | None = None  # the request `generate` ran last
         self.eos = tuple(target.config.eos_token_ids)
         self.prompt_decode = prompt_as_decode_rows(target)
@@ -98,12 +101,12 @@ class Engine:
         # answer, not once more after its prefill (a copy of ~6-17 MB for the 1.5B target).
         self.unstored: list[Sequence] = []
         # A drafter's own cache grows with the context too: the KV budget counts it, in target tokens.
-        self.kv_scale = 1.0 + drafter.cache_bytes_per_token / (bytes_per_token(target) or math.inf)
+        self.kv_scale = 1.0 + drafter.needs.cache_bytes_per_token / (bytes_per_token(target) or math.inf)
         chosen = settings.current()
         cuda_graphs = chosen.cuda_graphs if cuda_graphs is None else cuda_graphs
         graph_rows = chosen.graph_rows if graph_rows is None else graph_rows
         if cuda_graphs:  # on a GPU a lone request's forwards replay as CUDA graphs: launches cost the most there
-            for model in (target, drafter.forward_model):
+            for model in (target, drafter.needs.forward_model):
                 if isinstance(model, Transformer) and model.device.type == "cuda":
                     use_graphs(model, cache_len=self.max_len, rows_apart=graph_rows)
 
@@ -202,7 +205,7 @@ class Engine:
                 self.unstored.remove(seq)
             kept = False
             if seq.finish_reason is not None:
-                seq.drafter.finished(seq.tokens[seq.stats.prompt_tokens :])
+                seq.drafter.hear(Finished(seq.tokens[seq.stats.prompt_tokens :]))
                 if self._reuses_prompt(seq):  # with its answer: a chat's next turn starts with both
                     kept = self.prompt_cache.store(seq.tokens[: min(seq.cache.length, len(seq.tokens))], seq.cache)
             if prompt_unstored and not kept:  # cancelled, failed, or its answer too long to keep: its prompt
@@ -245,6 +248,7 @@ class Engine:
     def step(self) -> list[Outcome]:
         """One target forward for every running request -> the Steps of those that emitted tokens (a request
         still prefilling emits nothing), or the exception that ended one. Finished requests are removed."""
+        started = time.perf_counter()
         decoding = [s for s in self.running if not s.prefilling]
         parts: list[Part] = []
         owners: list[Sequence] = []
@@ -277,10 +281,11 @@ class Engine:
         began = time.perf_counter()
         # Every part in decode mode (prompts too, on the CPU): rows as if alone. Drafters of one engine are forks
         # of one, so they read the same target layers.
-        outputs = self.target.forward_parts(parts, self.drafter.feature_layers)
+        outputs = self.target.forward_parts(parts, self.drafter.needs.feature_layers)
         rows = sum(p.count for p in parts)
+        forwarded = time.perf_counter()
         if self.times_forwards:
-            self.planner.observe(rows, time.perf_counter() - began)
+            self.planner.observe(rows, forwarded - began)
         for seq, part, (logits, hidden) in zip(owners, parts, outputs):
             try:
                 if seq.prefilling:
@@ -297,8 +302,12 @@ class Engine:
                 continue
             if step is not None:
                 results.append((seq, step))
-        self.last_step = StepInfo(len(owners), rows, prefill_rows, [len(s.draft) for s in decoding])
-        return self._finish(results)
+        finished = self._finish(results)
+        self.last_step = StepInfo(len(owners), rows, prefill_rows, [len(s.draft) for s in decoding],
+                                  began - started, forwarded - began, time.perf_counter() - forwarded)
+        if self.on_step is not None:
+            self.on_step(self.last_step)
+        return finished
 
     def _store_prompts(self) -> None:
         """Keep the prompts of the running requests that were not kept yet (before a new request looks for its)."""
@@ -364,7 +373,7 @@ class Engine:
         is charged its share of the time."""
         failed, together = [], []
         for seq, budget, ctx in asked:
-            if seq.drafter.forward_model is not None:
+            if seq.needs.forward_model is not None:
                 together.append((seq, budget, ctx))
                 continue
             began = time.perf_counter()
@@ -376,7 +385,7 @@ class Engine:
         if not together:
             return failed
         began = time.perf_counter()
-        drafts = run_batched([(seq.drafter.drafting(ctx, budget), seq.drafter.forward_model, seq.drafter)
+        drafts = run_batched([(seq.drafter.drafting(ctx, budget), seq.needs.forward_model, seq.drafter)
                               for seq, budget, ctx in together])
         share = (time.perf_counter() - began) / len(together)
         self.planner.drafted_together(len(together))

@@ -21,6 +21,7 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft, DraftContext, Drafter
+from specdecode.drafters.draft import TargetSaw
 from specdecode.engine.stats import GenerationStats
 from specdecode.errors import SpecdecodeError
 from specdecode.models.kv_cache import KVCache
@@ -71,7 +72,8 @@ class Sequence:
         # Target hidden states for the drafter: of the last step's emitted tokens, or, for a drafter that reads
         # every position's features (an EAGLE head), of every position it has not seen yet.
         self.hidden: torch.Tensor | None = None
-        self.keep_hidden = drafter.reads_every_position
+        self.needs = drafter.needs  # what it needs from this request's forwards, declared once
+        self.keep_hidden = self.needs.every_position
         self.draft = Draft.empty(device)
         self._depths: list[int] = []  # of this step's draft nodes, set by verify_part
         self._chain = True  # whether this step's draft is a chain, set by verify_part
@@ -118,7 +120,7 @@ class Sequence:
             self._hold(hidden)
         if self.prefilling:
             return None
-        if not self.keep_hidden and self.drafter.reads_hidden:
+        if not self.keep_hidden and self.needs.hidden:
             self.hidden = hidden[-1:]
         return self._first_token(logits[-1:])
 
@@ -196,7 +198,7 @@ class Sequence:
         drafter, stats, draft = self.drafter, self.stats, self.draft
         behind = drafter.behind(self.tokens) if gating else 0
         return Request(id(self), self.auto, self.proposed, draft.scores, len(draft), self.draft_seconds,
-                       drafter.forward_model is not None, drafter.forward_s if behind > 2 else 0.0,
+                       self.needs.forward_model is not None, drafter.forward_s if behind > 2 else 0.0,
                        stats.accepted_tokens, stats.drafts, self.params.max_new_tokens - stats.new_tokens, behind)
 
     def verify_part(self) -> Part:
@@ -243,13 +245,13 @@ class Sequence:
         else:
             self.cache.truncate(start + 1)
             self.cache.keep([start + 1 + node for node in accepted])
-        if self.drafter.reads_hidden:  # a gather, ~0.1 ms on the caches a forward flushed: only for a head
+        if self.needs.hidden:  # a gather, ~0.1 ms on the caches a forward flushed: only for a head
             rows = hidden[torch.tensor([0] + [node + 1 for node in accepted], device=hidden.device)]
             if self.keep_hidden:
                 self._hold(rows)
             else:
                 self.hidden = rows
-        if self.drafter.target_topk:  # the rows' tokens, built only for a drafter that reads them
+        if self.needs.target_topk:  # the rows' tokens, built only for a drafter that reads them
             self._show_target(torch.tensor([self.tokens[-1], *draft.token_list]), logits, draft.origin)
         if self.proposed:  # a drafter that was not asked has nothing to roll back or learn from
             self.drafter.commit(draft.as_proposed(accepted), draft.origin)
@@ -276,9 +278,9 @@ class Sequence:
     def _show_target(self, tokens: torch.Tensor, logits: torch.Tensor, proposed: list[int] | None = None) -> None:
         """A drafter that learns from the target's guesses (token recycling, lookahead) gets each row's likeliest
         next tokens (one: the argmax the greedy verifier computes too)."""
-        if k := self.drafter.target_topk:
+        if k := self.needs.target_topk:
             top = greedy_tokens(logits)[:, None] if k == 1 else logits.topk(k, dim=-1).indices
-            self.drafter.saw_target(tokens, top, proposed)
+            self.drafter.hear(TargetSaw(tokens, top, proposed))
 
     def _hold(self, rows: torch.Tensor) -> None:
         self.hidden = rows if self.hidden is None else torch.cat((self.hidden, rows))

@@ -59,3 +59,9 @@ LOOKAHEAD_DECAY = 0.95
 # steps (not swept).
 PREDICTION_CATCH_UP_MAX = 1.0
 PREDICTION_RETRY_AFTER = 8
+# Chunked prefill (engine/engine.py): prompt rows per step while other requests decode (what their inter-token
+# latency pays for a new prompt), when nobody decodes, and for a request that wants every row's logits (prompt
+# logprobs) (not swept).
+PREFILL_ROWS_BUSY = 64
+PREFILL_ROWS_IDLE = 512
+PREFILL_ROWS_ECHO = 64

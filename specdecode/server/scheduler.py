@@ -25,7 +25,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specdecode.api import text_chunk
+from specdecode.api import release_text
 from specdecode.config import SamplingParams, choice_seed
 from specdecode.errors import SpecdecodeError
 from specdecode.server.compute import ComputeThread
@@ -319,9 +319,7 @@ class Scheduler:
 
     def _deliver(self, job: Job, seq, step) -> None:
         """A step's tokens -> the text they release, to the job's client; a stop string ends the request here."""
-        chunk = text_chunk(job.text, step)
-        if job.text.stopped:
-            self.engine.stop(seq, len(step.tokens) - len(chunk.token_ids))
+        chunk = release_text(self.engine, seq, job.text, step)
         prompt_logprobs = seq.prompt_logprobs if job.first_token_at is None else None
         job.first_token_at = job.first_token_at or time.perf_counter()
         event = Chunk(chunk.pieces, chunk.token_ids, chunk.from_draft, chunk.finish_reason, seq.stats.to_dict(),
