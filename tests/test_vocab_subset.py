@@ -190,6 +190,13 @@ def test_stored_head_reads_the_output_rows_from_the_unpacked_folder(tmp_path, ti
     assert all(np.array_equal(getattr(head, f).numpy(), getattr(packed, f).numpy()) for f in PACKED_FIELDS)
 
 
+def test_the_shipped_frequency_lists_are_found():
+    """The package's resources/ ships the Qwen2 vocabulary's list: where the draft's head cut reads it from."""
+    from specdecode.weights.vocab_subset import shipped_rankings
+
+    assert [p.name for p in shipped_rankings()] == ["frequent-tokens-qwen2.npz"]
+
+
 def test_cut_draft_head_needs_a_matching_frequency_list():
     from specdecode.weights.vocab_subset import cut_draft_head, packaged_ranking
 

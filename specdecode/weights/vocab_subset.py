@@ -24,6 +24,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +51,16 @@ def vocab_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256("\n".join(f"{i} {t}" for t, i in items).encode()).hexdigest()[:16]
 
 
+def shipped_rankings() -> list[Path]:
+    """The frequency lists shipped in the package's resources/ folder."""
+    return sorted(Path(str(files("specdecode").joinpath("resources"))).glob("frequent-tokens-*.npz"))
+
+
 def packaged_ranking(tokenizer: Any) -> torch.Tensor | None:
     """Ids most frequent first, counted on instruction data and shipped with specdecode for this tokenizer's
-    vocabulary (resources/frequent-tokens-*.npz); None when none matches."""
-    folder = Path(__file__).parent / "resources"
+    vocabulary (specdecode/resources/frequent-tokens-*.npz); None when none matches."""
     fingerprint = None
-    for path in sorted(folder.glob("frequent-tokens-*.npz")):
+    for path in shipped_rankings():
         with np.load(path) as data:
             fingerprint = fingerprint or vocab_fingerprint(tokenizer)
             if str(data["fingerprint"]) == fingerprint:
