@@ -112,7 +112,8 @@ class SpecDecoder:
         self._grammars: GrammarCompiler | None = None
 
     @classmethod
-    def load(cls, target: str = DEFAULT_TARGET, options: LoadOptions | None = None, **overrides: Any) -> SpecDecoder:
+    def load(cls, target: str = DEFAULT_TARGET, *, options: LoadOptions | None = None,
+             **overrides: Any) -> SpecDecoder:
         """Load `target` and its drafter as `options` say (LoadOptions' defaults where None), any field of them
         also given by name: `SpecDecoder.load("qwen2.5-coder-1.5b-instruct", method="ngram")`."""
         try:

@@ -44,10 +44,14 @@ class Settings:
     api_key: str | None = None
     kernel_switches: KernelSwitches = KernelSwitches()
 
-    def __post_init__(self) -> None:
-        if self.prefetch is not None and self.prefetch not in PREFETCH_HINTS:
+    def prefetch_hint(self, default: str) -> str:
+        """The kernels' prefetch hint: the one set, checked, else `default` (asked where the kernels are built)."""
+        if self.prefetch is None:
+            return default
+        if self.prefetch not in PREFETCH_HINTS:
             raise SpecdecodeError(f"SPECDECODE_PREFETCH={self.prefetch!r}: use one of {', '.join(PREFETCH_HINTS)} "
                                   "(or leave it unset)")
+        return self.prefetch
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Settings:

@@ -164,11 +164,11 @@ def test_drafting_turns_off_when_the_batch_is_large(target, draft):
     for seq in seqs:
         seq.fed = seq.stats.prompt_tokens  # pretend prefilled: only the gate is under test
         planner.outlook[id(seq)].draft_s = 0.5  # half a one-token target forward per draft
-    records = [seq.record(gating=True) for seq in seqs]
-    assert planner._gate(records, 16, 0) == []
-    assert planner._gate(records[:1], 1, 0) == [id(seqs[0])]
+    records, lag = [seq.record() for seq in seqs], engine.lag_of(seqs)
+    assert planner._gate(records, 16, 0, lag) == []
+    assert planner._gate(records[:1], 1, 0, lag) == [id(seqs[0])]
     planner.outlook[id(seqs[0])].draft_s = 0.0  # an n-gram drafter costs nothing: always proposes
-    assert id(seqs[0]) in planner._gate(records, 16, 0)
+    assert id(seqs[0]) in planner._gate(records, 16, 0, lag)
 
 
 def test_kv_budget_bounds_admission_and_refuses_what_never_fits(target):

@@ -64,7 +64,7 @@ class StepInfo:
     draft_tokens: list[int] = field(default_factory=list)  # per decoding request, the draft size verified
     draft_s: float = 0.0  # from the step's start to its target forward: prompt chunks, the planner, drafting
     forward_s: float = 0.0  # the target forward (on a GPU: its launch, the clock runs ahead of the device)
-    verify_s: float = 0.0  # after it: verification, the caches kept, drafters' commits, finished requests
+    verify_s: float = 0.0  # after it: verification, the caches kept, drafters' commits
 
 
 class Engine:
@@ -302,12 +302,11 @@ class Engine:
                 continue
             if step is not None:
                 results.append((seq, step))
-        finished = self._finish(results)
         self.last_step = StepInfo(len(owners), rows, prefill_rows, [len(s.draft) for s in decoding],
                                   began - started, forwarded - began, time.perf_counter() - forwarded)
         if self.on_step is not None:
             self.on_step(self.last_step)
-        return finished
+        return self._finish(results)
 
     def _store_prompts(self) -> None:
         """Keep the prompts of the running requests that were not kept yet (before a new request looks for its)."""
@@ -342,7 +341,8 @@ class Engine:
     def _draft(self, decoding: list[Sequence], prefill_rows: int) -> list[tuple[Sequence, Exception]]:
         """The requests the planner chooses propose; the others decode plainly this step. Then the planner cuts
         the automatic drafts together."""
-        chosen = self.planner.choose([seq.record(gating=len(decoding) > 1) for seq in decoding], prefill_rows)
+        lag = self.lag_of(decoding) if len(decoding) > 1 else None
+        chosen = self.planner.choose([seq.record() for seq in decoding], prefill_rows, lag)
         asked: list[tuple[Sequence, int, DraftContext]] = []  # (request, budget, context) of those who draft
         early: list[tuple[Sequence, Exception]] = []
         for seq in decoding:
@@ -366,6 +366,12 @@ class Engine:
             if id(seq) in kept:
                 seq.keep_best(kept[id(seq)])
         return failed
+
+    @staticmethod
+    def lag_of(decoding: list[Sequence]) -> Callable[[int], tuple[int, float]]:
+        """What the planner's gate may ask of these requests, by key (planner.Lag)."""
+        by_key = {id(seq): seq for seq in decoding}
+        return lambda key: by_key[key].lag()
 
     def _propose_all(self, asked: list[tuple[Sequence, int, DraftContext]]) -> list[tuple[Sequence, Exception]]:
         """Every asked drafter proposes. Those whose forwards batch (a draft model's) run together, one forward of

@@ -192,14 +192,18 @@ class Sequence:
     def keep_best(self, count: int) -> None:
         self.draft = self.draft.best(count)
 
-    def record(self, gating: bool = False) -> Request:
-        """What the planner reads of this request now: plain values, no reference to it. `gating`: the planner
-        weighs whether it drafts against other requests, so how far its drafter is behind is asked too."""
-        drafter, stats, draft = self.drafter, self.stats, self.draft
-        behind = drafter.behind(self.tokens) if gating else 0
+    def record(self) -> Request:
+        """What the planner reads of this request now: plain values, no reference to it."""
+        stats, draft = self.stats, self.draft
         return Request(id(self), self.auto, self.proposed, draft.scores, len(draft), self.draft_seconds,
-                       self.needs.forward_model is not None, drafter.forward_s if behind > 2 else 0.0,
-                       stats.accepted_tokens, stats.drafts, self.params.max_new_tokens - stats.new_tokens, behind)
+                       self.needs.forward_model is not None, stats.accepted_tokens, stats.drafts,
+                       self.params.max_new_tokens - stats.new_tokens)
+
+    def lag(self) -> tuple[int, float]:
+        """(tokens its drafter's own state lacks, its seconds per forward where that is more than two, else 0): what
+        the planner's gate asks of a request it weighs (planner.Lag)."""
+        behind = self.drafter.behind(self.tokens)
+        return behind, self.drafter.forward_s if behind > 2 else 0.0
 
     def verify_part(self) -> Part:
         """[root, *draft]: a node's rotary position is its depth (a chain's: its index); it sees the prefix, the

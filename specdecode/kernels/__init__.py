@@ -69,7 +69,7 @@ PREFETCH_HINTS = {"GenuineIntel": "t1"}
 
 
 def prefetch_hint() -> str:
-    return settings.current().prefetch or PREFETCH_HINTS.get(cpuinfo_field("vendor_id"), "nta")
+    return settings.current().prefetch_hint(PREFETCH_HINTS.get(cpuinfo_field("vendor_id"), "nta"))
 
 
 @functools.cache

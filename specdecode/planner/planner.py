@@ -19,6 +19,7 @@ ask the `StepPlan` handed to them (prices.py) whether to grow a tree or to copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdecode.config import SamplingParams
@@ -53,11 +54,15 @@ class Request:
     nodes: int  # nodes in this step's draft
     draft_seconds: float  # what proposing took this step
     batched: bool  # its drafter's forwards batch with other requests' (a draft model)
-    forward_s: float  # its drafter's running seconds per forward
     accepted_tokens: int  # draft tokens accepted so far
     drafts: int  # steps that verified a draft so far
     tokens_left: int  # new tokens it may still generate
-    behind: int = 0  # tokens its drafter's own state lacks (asked only where the gate weighs it)
+
+
+# What the gate asks of a request it weighs, and only then (asking costs a scan of the drafter's state, and reading
+# its seconds per forward folds in the forwards timed so far): key -> (tokens its drafter's own state lacks, its
+# seconds per forward where it lacks more than two, else 0).
+Lag = Callable[[int], tuple[int, float]]
 
 
 class Outlook:
@@ -134,15 +139,16 @@ class Planner:
             return FIXED
         return StepPlan(self.costs, decoding - 1, decoding - 1 + prefill_rows)
 
-    def choose(self, decoding: list[Request], prefill_rows: int) -> set[int]:
+    def choose(self, decoding: list[Request], prefill_rows: int, lag: Lag | None = None) -> set[int]:
         """The decoding requests that draft this step: every fixed-size one, a request decoding alone, and the
         automatic ones the gate lets through when several decode. Alone, a drafter's own decisions (grow one
         more depth? `StepPlan.grow`) and the cut weigh each forward against the verify cost as it happens; the
         gate's running means only lag behind them: gated, the 0.5B draft model drafted in 37% of a lone
         request's steps on the dev sets (3 of 63 in one turn), its accepted length fell from 3.21 to 1.94 and its
-        speedup from 1.17x to 1.09x ("One engine"). -> the keys of those that draft."""
+        speedup from 1.17x to 1.09x ("One engine"). `lag`: what a request the gate weighs lacks (needed only
+        when several decode). -> the keys of those that draft."""
         gated = [r for r in decoding if r.auto] if len(decoding) > 1 else []
-        chosen = set(self._gate(gated, len(decoding), prefill_rows)) if gated else set()
+        chosen = set(self._gate(gated, len(decoding), prefill_rows, lag)) if gated else set()
         for request in decoding:
             look = self.outlook[request.key]
             look.steady = request.proposed  # it drafted last step: no catching up in this step's time
@@ -200,7 +206,7 @@ class Planner:
 
     # --- the gate -------------------------------------------------------------------------------------------
 
-    def _gate(self, auto: list[Request], decoding: int, prefill_rows: int) -> list[int]:
+    def _gate(self, auto: list[Request], decoding: int, prefill_rows: int, lag: Lag | None = None) -> list[int]:
         """The automatic requests that draft. Cheap drafters (n-gram) always do: the cut decides what their
         guesses are worth. Of the others, best value per second first, the number k that maximises the batch's
         tokens per second: (decoding + their expected gains) / (C(decoding) + drafting time + what their rows
@@ -220,7 +226,7 @@ class Planner:
             elif draft_s <= CHEAP_DRAFT * base_seconds:
                 chosen.append(request.key)
             else:
-                n, catch_up = max(1, round(look.nodes)), self._catch_up(request, gain)
+                n, catch_up = max(1, round(look.nodes)), self._catch_up(request, gain, lag)
                 value = gain / (draft_s + catch_up + costs.cost(rows + n) - costs.cost(rows))
                 candidates.append((value, request.key, gain, n, draft_s, catch_up, request.batched))
         if explorer is not None:
@@ -245,11 +251,12 @@ class Planner:
             chosen.append(max(stale, key=lambda key: self.outlook[key].idle))
         return chosen
 
-    def _catch_up(self, request: Request, gain: float) -> float:
+    def _catch_up(self, request: Request, gain: float, lag: Lag | None) -> float:
         """A draft model that sat out steps (or never drafted) first feeds what it missed, one forward over those
         rows (its cost taken as the target's curve scaled to the draft's one-row time), paid back over the steps
         the request has left."""
-        return catch_up_seconds(self.costs, request.behind, request.forward_s or (self.prior.draft_s or 0.0) / 4,
+        behind, forward_s = lag(request.key) if lag is not None else (0, 0.0)
+        return catch_up_seconds(self.costs, behind, forward_s or (self.prior.draft_s or 0.0) / 4,
                                 request.tokens_left / (1.0 + gain))
 
     def _gain(self, request: Request) -> float:
