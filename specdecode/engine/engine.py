@@ -318,7 +318,7 @@ class Engine:
         """Can `seq`'s prompt rows come from (and go to) the prompt cache? Not when it needs every prompt row
         computed: their logits (prompt logprobs) or their features (a drafter that reads every position)."""
         return (self.prompt_cache is not None and isinstance(seq.cache, KVCache) and seq.prompt_logprobs is None
-                and not seq.keep_hidden)
+                and not seq.needs.every_position)
 
     def _copy_prefill(self, leader: Sequence, last_logits: torch.Tensor) -> list[Outcome]:
         """The requests that wait for `leader`'s prompt (n > 1) take it now -> their first Steps."""

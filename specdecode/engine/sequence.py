@@ -73,7 +73,6 @@ class Sequence:
         # every position's features (an EAGLE head), of every position it has not seen yet.
         self.hidden: torch.Tensor | None = None
         self.needs = drafter.needs  # what it needs from this request's forwards, declared once
-        self.keep_hidden = self.needs.every_position
         self.draft = Draft.empty(device)
         self._depths: list[int] = []  # of this step's draft nodes, set by verify_part
         self._chain = True  # whether this step's draft is a chain, set by verify_part
@@ -116,11 +115,11 @@ class Sequence:
             self.prompt_logprobs += token_logprobs(logits[:known], following, self.params.prompt_logprobs)
         self.fed += n
         self.cache.truncate(self.fed)  # the sampled first token becomes the root of the first decode step
-        if self.keep_hidden:
+        if self.needs.every_position:
             self._hold(hidden)
         if self.prefilling:
             return None
-        if not self.keep_hidden and self.needs.hidden:
+        if not self.needs.every_position and self.needs.hidden:
             self.hidden = hidden[-1:]
         return self._first_token(logits[-1:])
 
@@ -168,7 +167,7 @@ class Sequence:
         if forced:  # the grammar allows one continuation: a draft the drafter need not be asked for
             self.proposed = False
             self.draft = Draft.chain(forced, scores=[1.0] * len(forced), device=self.device)
-        if self.proposed and self.keep_hidden:
+        if self.proposed and self.needs.every_position:
             self.hidden = None  # the drafter takes these rows now
         return budget, ctx
 
@@ -251,7 +250,7 @@ class Sequence:
             self.cache.keep([start + 1 + node for node in accepted])
         if self.needs.hidden:  # a gather, ~0.1 ms on the caches a forward flushed: only for a head
             rows = hidden[torch.tensor([0] + [node + 1 for node in accepted], device=hidden.device)]
-            if self.keep_hidden:
+            if self.needs.every_position:
                 self._hold(rows)
             else:
                 self.hidden = rows

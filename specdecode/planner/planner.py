@@ -26,7 +26,7 @@ from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.planner.budget import CostCurve, InUseCurve
 from specdecode.planner.estimates import RunningMean
-from specdecode.planner.prices import FIXED, StepPlan, best_count
+from specdecode.planner.prices import FIXED, StepPlan, best_count, catch_up_forward_s
 from specdecode.planner.tuning import (
     CATCH_UP_STEPS,
     CHEAP_DRAFT,
@@ -269,4 +269,4 @@ def catch_up_seconds(costs: CostCurve, behind: int, one_row_s: float, steps_left
     most CATCH_UP_STEPS), the forward's cost taken as the target's curve scaled to the draft's one-row time."""
     if behind <= 2:  # the usual: the last token, maybe the last draft token
         return 0.0
-    return one_row_s * costs.cost(behind) / costs.cost(1) / min(max(1.0, steps_left), CATCH_UP_STEPS)
+    return catch_up_forward_s(costs, behind, one_row_s) / min(max(1.0, steps_left), CATCH_UP_STEPS)

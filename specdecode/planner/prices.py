@@ -13,6 +13,11 @@ from specdecode.planner.estimates import RunningMean
 from specdecode.planner.tuning import COPY_MIN_SCORE, FOLLOW, PREDICTION_CATCH_UP_MAX, PRIOR_SPEEDUP, RECORD_WEIGHT
 
 
+def catch_up_forward_s(costs: CostCurve, behind: int, one_row_s: float) -> float:
+    """One draft forward over `behind` missed tokens: the target's curve scaled to the draft's one-row time."""
+    return one_row_s * costs.cost(behind) / costs.cost(1)
+
+
 def best_count(costs: CostCurve, scores: list[float], draft_seconds: float = 0.0, tokens: float = 1.0,
                rows: int = 1, sunk_rows: int = 0) -> int:
     """How many of the nodes (scores sorted best first) to verify: argmax (1 + sum) / (D + C(n + 1)).
@@ -115,8 +120,7 @@ class StepPlan:
         PREDICTION_CATCH_UP_MAX one-row target forwards? Never without a curve."""
         if self.costs is None:
             return False
-        one = self.costs.cost(1)
-        return forward_s * self.costs.cost(behind) / one > PREDICTION_CATCH_UP_MAX * one
+        return catch_up_forward_s(self.costs, behind, forward_s) > PREDICTION_CATCH_UP_MAX * self.costs.cost(1)
 
     def step_seconds(self, drafting_s: float, rows: int) -> float:
         """What a drafted step cost: its drafting plus a verify forward over `rows` (0 without a curve)."""
