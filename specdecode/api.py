@@ -79,7 +79,9 @@ class LoadOptions:
     this target; `draft_adapter` = a LoRA adapter folder (`specdecode train draft`) applied to the draft model.
     `suffix_pool_mb`, `suffix_pool`: the memory of earlier answers suffix decoding copies from, and a file that
     keeps it across runs. `prompt_cache_mb`: memory for recent prompts' keys and values, so that a request sharing
-    a prefix with one (a system prompt, the earlier turns of a chat) computes only the rest (0: off)."""
+    a prefix with one (a system prompt, the earlier turns of a chat) computes only the rest (0: off). `kv_dtype`:
+    the KV caches' dtype, 'bfloat16' under float32 activations halving what attention reads over long contexts
+    (auto: the activations' dtype)."""
 
     method: str = DEFAULT_METHOD
     draft: str | None = None
@@ -98,6 +100,7 @@ class LoadOptions:
     suffix_pool_mb: float = DEFAULT_POOL_MB
     suffix_pool: str | None = None
     prompt_cache_mb: float = DEFAULT_PROMPT_CACHE_MB
+    kv_dtype: str = "auto"
 
 
 class SpecDecoder:
@@ -133,7 +136,7 @@ class SpecDecoder:
                                   "model)")
         if num_draft_tokens is not None and num_draft_tokens < 0:
             raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
-        plan = plan_load(target, draft, o.dtype, device, o.quantize, o.draft_quantize, o.weights)
+        plan = plan_load(target, draft, o.dtype, device, o.quantize, o.draft_quantize, o.weights, o.kv_dtype)
         models = load_models(target, draft, plan, device, o.draft_adapter, o.draft_vocab, o.draft_vocab_corpus, trained)
         if how.remembers:
             models.suffix_pool = open_pool(o.suffix_pool_mb, o.suffix_pool, models.tokenizer)

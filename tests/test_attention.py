@@ -34,13 +34,33 @@ def test_kernel_attention_matches_sdpa(dtype, heads, kv_heads, dim):
         kernels.decode_attention(q, k, v, [0, 1, 2, 3])
 
 
+@pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+def test_rope_store_rounds_into_a_bfloat16_cache_as_torch_does():
+    """The glue writes rotated keys and values into a bfloat16 cache rounded to nearest even, as torch's
+    conversion of the float32 cache's rows; the rotated queries it returns are the same."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 5, 6, 16), torch.randn(1, 5, 2, 16) * 1e3, torch.randn(1, 5, 2, 16)
+    cos, sin = torch.randn(1, 5, 16), torch.randn(1, 5, 16)
+    wide = [torch.zeros(1, 2, 12, 16), torch.zeros(1, 2, 12, 16)]
+    narrow = [torch.zeros(1, 2, 12, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 12, 16, dtype=torch.bfloat16)]
+    q_wide = kernels.rope_store(q, k, v, cos, sin, *wide, torch.tensor([4]))
+    q_narrow = kernels.rope_store(q, k, v, cos, sin, *narrow, torch.tensor([4]))
+    assert torch.equal(q_wide, q_narrow)
+    assert torch.equal(wide[0].bfloat16(), narrow[0]) and torch.equal(wide[1].bfloat16(), narrow[1])
+    # a bfloat16 cache attends as a float32 cache holding the same values
+    out = kernels.decode_attention(q_narrow, *narrow, [5, 6, 7, 8, 9])
+    assert torch.equal(out, kernels.decode_attention(q_narrow, narrow[0].float(), narrow[1].float(), [5, 6, 7, 8, 9]))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("use_kernel", [True, False])
-def test_decode_rows_equal_one_token_forwards(monkeypatch, use_kernel):
+def test_decode_rows_equal_one_token_forwards(monkeypatch, use_kernel, kv_dtype):
     if use_kernel and kernels is None:
         pytest.skip("no native CPU kernel here")
     if not use_kernel:  # the path CUDA and CPUs without AVX2 take: one stock attention call per row
         monkeypatch.setattr(model_module, "cpu_kernels", lambda: None)
     model = tiny_native("llama", seed=3)
+    model.kv_dtype = kv_dtype
     if use_kernel:
         model = quantize_(model, "none")  # linear layers on the kernel too: only there are they batch-invariant
     tokens = torch.tensor([[7, 3, 9, 1, 4, 4, 2, 8]])

@@ -70,12 +70,14 @@ PROMPTS = [[1, 2, 3, 4, 1, 2, 3], list(range(5, 45)), [7, 7, 7, 7], [3, 1, 4, 1,
 
 
 @needs_kernels
-@pytest.mark.parametrize("auto", [False, True])
-def test_greedy_output_is_the_same_batched_or_alone(target, draft, monkeypatch, auto):
+@pytest.mark.parametrize(("auto", "kv_dtype"), [(False, None), (True, None), (True, torch.bfloat16)])
+def test_greedy_output_is_the_same_batched_or_alone(target, draft, monkeypatch, auto, kv_dtype):
     """Four requests with different prompt lengths (one prefilled in chunks while others decode), drafters,
     draft sizes and sampling settings, arriving at different steps: each greedy one equals itself run alone,
-    and equals the one-request engine."""
+    and equals the one-request engine; with the activations' and with a bfloat16 KV cache."""
     monkeypatch.setattr(engine_module, "PREFILL_ROWS_BUSY", 8)
+    monkeypatch.setattr(target, "kv_dtype", kv_dtype)
+    assert target.new_cache(1, 4).k.dtype == (kv_dtype or torch.float32)
     costs = CPU_LIKE if auto else None
     k = None if auto else 3
     make = cycle(lambda: DraftModelDrafter(draft, vocab_size=64, width=2), NgramDrafter, NoDrafter,

@@ -109,6 +109,19 @@ def test_greedy_is_token_identical_for_every_drafter(target, reference, k):
             assert stats.accepted_tokens == 0 and stats.mean_accepted_length == 1.0, name
 
 
+@pytest.mark.parametrize("k", [3, None])  # None: sized by the planner
+def test_greedy_is_token_identical_with_a_bfloat16_kv_cache(k):
+    """Keys and values rounded to bfloat16 as they are stored: every drafter's output is plain decoding's with
+    that cache, chains and trees."""
+    target = tiny_native("qwen2", seed=0)
+    target.kv_dtype = torch.bfloat16
+    assert target.new_cache(1, 4).k.dtype == torch.bfloat16
+    reference = run(Engine(target, NoDrafter()), PROMPT, SamplingParams(max_new_tokens=40))
+    for name, drafter in drafters(target).items():
+        engine = Engine(target, drafter, num_draft_tokens=k, costs=CPU_LIKE if k is None else None)
+        assert run(engine, PROMPT, SamplingParams(max_new_tokens=40)) == reference, name
+
+
 def test_greedy_is_token_identical_with_an_automatic_budget(target, reference):
     for name, drafter in drafters(target).items():
         engine = Engine(target, drafter, num_draft_tokens=None, costs=CPU_LIKE)

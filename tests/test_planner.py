@@ -147,3 +147,50 @@ def test_a_drafts_scores_follow_its_trust_and_never_rise_above_a_parents():
     deeper.hits, deeper.tried = 0.0, 2.0
     after, _ = scores_and_expected(drafter)
     assert after.scores[0] == before.scores[0] and min(after.scores) < min(before.scores)
+
+
+# --- a request decoding alone -----------------------------------------------------------------------------------
+
+
+def lone_steps(planner: Planner, steps: int, drafted_tokens: int, drafted_s: float, plain_s: float) -> list[bool]:
+    """Steps of one automatic request decoding alone: a drafted step emits `drafted_tokens` in `drafted_s`
+    (drafting, then a forward over 4 rows of 1.3 s), a plain one 1 token in `plain_s`. -> whether it drafted,
+    step by step."""
+    from specdecode.planner.planner import Request
+
+    key, took = 1, []
+    planner.join(key)
+    for _ in range(steps):
+        before = Request(key, True, False, None, 0, 0.0, False, 0, 0, 100)
+        drafts = key in planner.choose([before], prefill_rows=0)
+        took.append(drafts)
+        draft_s = drafted_s - 1.3 if drafts else 0.0
+        planner.observe(1 + 3 * drafts, 1.3 if drafts else plain_s)
+        after = Request(key, True, drafts, [0.5] * 3 if drafts else None, 3 * drafts, draft_s, False, 0, 0, 100)
+        planner.learn(after, drafted_tokens - 1 if drafts else 0)
+    return took
+
+
+def test_a_lone_request_drafts_while_its_drafted_steps_beat_its_plain_ones():
+    from specdecode.planner.tuning import ALONE_MIN_STEPS
+
+    curve = CostCurve(tuple(1.0 + 0.1 * m for m in range(16)))  # 4 rows: 1.3 s
+    # 2 tokens in 1.5 s against 1 in 1 s: drafting pays, it never stops
+    assert all(lone_steps(Planner(curve), 40, 2, 1.5, 1.0))
+    # 1 token in 1.5 s: it stops after its first judged steps, waits, retries, and waits twice as long
+    took = lone_steps(Planner(curve), 60, 1, 1.5, 1.0)
+    assert all(took[:ALONE_MIN_STEPS]) and not took[ALONE_MIN_STEPS]
+    assert 0.2 < sum(took) / len(took) < 0.5
+    runs = [len(run) for run in "".join("d" if t else "p" for t in took).split("d") if run]
+    assert runs[1] == 2 * runs[0]  # the wait doubles after a retry that loses too
+
+
+def test_a_lone_request_is_judged_on_the_forwards_it_timed_only():
+    """Where forwards are not timed (CUDA), a lone request drafts every step, as before."""
+    from specdecode.planner.planner import Request
+
+    planner = Planner(CostCurve(tuple(1.0 + 0.1 * m for m in range(16))))
+    planner.join(1)
+    for _ in range(30):
+        assert planner.choose([Request(1, True, False, None, 0, 0.0, False, 0, 0, 100)], 0) == {1}
+        planner.learn(Request(1, True, True, [0.1], 1, 5.0, False, 0, 0, 100), 0)

@@ -313,3 +313,14 @@ def test_truncated_real_gguf(tmp_path: Path) -> None:
         dst.write(src.read(20_000_000))
     with pytest.raises(SpecdecodeError, match="cannot read GGUF file"):
         weights.load_checkpoint(str(truncated), torch.bfloat16, cache=tmp_path)
+
+
+def test_the_kv_cache_dtype_is_checked_before_any_model_loads():
+    from specdecode.weights.loading import resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", "cpu", torch.float32) is None
+    assert resolve_kv_dtype("float32", "cpu", torch.float32) is None  # the activations' own: nothing to change
+    with pytest.raises(SpecdecodeError, match="unknown KV cache dtype 'int8'"):
+        resolve_kv_dtype("int8", "cpu", torch.float32)
+    with pytest.raises(SpecdecodeError, match="needs the CPU kernels"):
+        resolve_kv_dtype("bfloat16", "cuda", torch.float32)

@@ -140,7 +140,7 @@ def load_candidates(args: argparse.Namespace, candidates: dict[str, dict[str, An
 
     drafts = [c["draft"] or DEFAULT_DRAFT for c in candidates.values() if needs_draft_model(c["method"])]
     plan = plan_load(args.target, drafts[0] if drafts else None, args.dtype, args.device, args.quantize,
-                     args.draft_quantize, args.weights)
+                     args.draft_quantize, args.weights, args.kv_dtype)
     trained = {c["method"]: c["draft"] for c in candidates.values() if head_of(c["method"]) is not None}
     models = load_models(args.target, DEFAULT_DRAFT, list(candidates), plan, args.device, args.draft_vocab,
                          args.draft_vocab_corpus, trained)

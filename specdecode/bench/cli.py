@@ -94,7 +94,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     trained = trained_folders(args, methods)
     prompts = load_prompts(args.dataset, args.limit, args.prompt_as_chat)
     draft = args.draft if any(needs_draft_model(m) for m in methods if m != "hf-assisted") else None
-    plan = plan_load(args.target, draft, args.dtype, args.device, args.quantize, args.draft_quantize, args.weights)
+    plan = plan_load(args.target, draft, args.dtype, args.device, args.quantize, args.draft_quantize, args.weights,
+                     args.kv_dtype)
     print(f"bench: {len(prompts)} prompts, methods {', '.join(methods)}; {plan.describe()}; loading models...",
           file=sys.stderr)
     models = load_models(args.target, args.draft, methods, plan, args.device, args.draft_vocab,

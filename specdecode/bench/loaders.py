@@ -32,7 +32,15 @@ from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB
 from specdecode.planner.budget import CostCurve
 from specdecode.planner.tuning import DRAFT_MIN_CONFIDENCE
 from specdecode.weights.files import load_checkpoint, resolve_source
-from specdecode.weights.loading import LoadPlan, Models, check_same_tokenizer, load_draft, load_model, load_tokenizer
+from specdecode.weights.loading import (
+    LoadPlan,
+    Models,
+    check_same_tokenizer,
+    load_draft,
+    load_model,
+    load_tokenizer,
+    use_kv_dtype,
+)
 from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE
 
 BASELINE = "none"
@@ -139,6 +147,7 @@ def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, dev
     """Our models as SpecDecoder.load builds them (loading.load_draft); transformers' always unquantized.
     `trained`: the head folder of each trained method."""
     model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
+    use_kv_dtype(model, plan.kv_dtype)
     if tokenizer is None:
         raise SpecdecodeError(f"target '{target}' ships no tokenizer; the benchmark needs one to encode prompts")
     models = BenchModels(Models(model, tokenizer), trained=dict(trained or {}))
@@ -187,8 +196,9 @@ def build_runners(methods: list[str], models: BenchModels, override_k: int | Non
         if method in HF_METHODS:
             runners[method] = HFRunner(models.hf_target, models.eos_token_ids, hf_options(method, models, k, max_ngram))
         elif method in LLAMACPP_METHODS:
-            # A context of at most 4096: its prompt lookup keeps logits for every slot (n_ctx x vocab floats).
-            runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, min(max_len, 4096), k, max_ngram,
+            # With prompt lookup a context of at most 4096: it keeps logits for every slot (n_ctx x vocab floats).
+            n_ctx = min(max_len, 4096) if k else max_len
+            runners[method] = LlamaCppRunner(models.target_gguf, models.eos_token_ids, n_ctx, k, max_ngram,
                                              reuse_prefix=prompt_cache_mb > 0)
         else:
             name, shape = drafter_and_shape(method)

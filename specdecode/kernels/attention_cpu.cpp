@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -59,8 +60,8 @@ inline __m256 sum8(const __m256* a) {
 // pairs' queries interleaved by eight lanes (pair p's lanes for d at pairs + 2 (p D + d)); head h of the group's
 // eight scores go to scores + h * s_stride. With `odd` the last pair's second head is a copy of its first, not
 // stored.
-template <int P, bool odd>
-inline void score_pairs(const float* pairs, const float* const* keys, int64_t D, float scale, float* scores,
+template <int P, bool odd, typename T>
+inline void score_pairs(const float* pairs, const T* const* keys, int64_t D, float scale, float* scores,
                         int64_t s_stride) {
   __m512 a[P][8];
   for (int p = 0; p < P; ++p)
@@ -69,7 +70,7 @@ inline void score_pairs(const float* pairs, const float* const* keys, int64_t D,
     __m512 qd[P];
     for (int p = 0; p < P; ++p) qd[p] = _mm512_loadu_ps(pairs + 2 * (p * D + d));
     for (int i = 0; i < 8; ++i) {
-      const __m512 key = _mm512_broadcast_f32x8(_mm256_loadu_ps(keys[i] + d));
+      const __m512 key = _mm512_broadcast_f32x8(load8(keys[i] + d));  // bfloat16 widens exactly: the same bits
       for (int p = 0; p < P; ++p) a[p][i] = _mm512_fmadd_ps(qd[p], key, a[p][i]);
     }
   }
@@ -136,8 +137,7 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
 #if defined(__AVX512F__)
   // each row's queries in head pairs interleaved by eight lanes, for score_pairs (an odd last head pairs with itself)
   const int64_t pair_count = (G + 1) / 2;
-  if constexpr (std::is_same_v<T, float>)
-    for (int64_t r = 0; r < R; ++r)
+  for (int64_t r = 0; r < R; ++r)
       for (int64_t h = 0; h < 2 * pair_count; ++h) {
         const float* from = q + r * D + std::min(h, G - 1) * stride;
         float* to = pairs + (r * pair_count + h / 2) * 2 * D + 8 * (h % 2);
@@ -147,7 +147,7 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
   auto eight = [&](int64_t r, int64_t j, const T* const* keys) {
     int64_t g = 0;
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float>) {
+    {
       // two heads a vector (score_pairs), in groups of at most three pairs (24 sums in registers) as even as the
       // pairs allow: at six heads half the eight-lane path's multiply-adds and a fifth of its loads, the same bits
       const int64_t groups = (pair_count + 2) / 3;
@@ -156,12 +156,12 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
         const bool odd = 2 * p > G - g;
         const float* qp = pairs + (r * pair_count + g / 2) * 2 * D;
         float* sg = scores + (r * G + g) * s_stride + j;
-        if (p == 3) odd ? score_pairs<3, true>(qp, keys, D, scale, sg, s_stride)
-                        : score_pairs<3, false>(qp, keys, D, scale, sg, s_stride);
-        else if (p == 2) odd ? score_pairs<2, true>(qp, keys, D, scale, sg, s_stride)
-                             : score_pairs<2, false>(qp, keys, D, scale, sg, s_stride);
-        else odd ? score_pairs<1, true>(qp, keys, D, scale, sg, s_stride)
-                 : score_pairs<1, false>(qp, keys, D, scale, sg, s_stride);
+        if (p == 3) odd ? score_pairs<3, true, T>(qp, keys, D, scale, sg, s_stride)
+                        : score_pairs<3, false, T>(qp, keys, D, scale, sg, s_stride);
+        else if (p == 2) odd ? score_pairs<2, true, T>(qp, keys, D, scale, sg, s_stride)
+                             : score_pairs<2, false, T>(qp, keys, D, scale, sg, s_stride);
+        else odd ? score_pairs<1, true, T>(qp, keys, D, scale, sg, s_stride)
+                 : score_pairs<1, false, T>(qp, keys, D, scale, sg, s_stride);
         g = std::min(G, g + 2 * p);
       }
     }
@@ -387,18 +387,45 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // q [B, T, H, D], k and v [B, T, Hkv, D] float32 (the projections' outputs, viewed), cos and sin [B, T, D].
 // Rotates q and k by x * cos + rotate_half(x) * sin, rounded as that eager formula rounds (two products, one sum,
 // no fused multiply-add), writes k and v into cache slots [start, start + T) of k_cache, v_cache [B, Hkv, S, D]
-// (float32) with start = slots[0] (rope_store_at: given), and returns q rotated as [B, H, T, D], the layout decode_attention reads.
+// (float32, or bfloat16 rounded to nearest even as torch rounds) with start = slots[0] (rope_store_at: given), and returns q rotated as [B, H, T, D], the layout decode_attention reads.
 at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                       at::Tensor& v_cache, const at::Tensor& slots) {
   return rope_store_at(q, k, v, cos, sin, k_cache, v_cache, slots.data_ptr<int64_t>()[0]);
 }
 
+namespace {
+
+// float32 -> bfloat16 as torch's conversion rounds: to nearest, ties to even; a NaN stays a (quiet) NaN.
+inline uint16_t round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// One cache row of D values from float32: copied, or rounded to bfloat16 (a bfloat16 cache halves what attention
+// reads over a long context).
+inline void store_row(const float* from, int64_t D, void* cache, int64_t at, bool bf16) {
+  if (!bf16) {
+    std::copy(from, from + D, static_cast<float*>(cache) + at);
+    return;
+  }
+  uint16_t* to = static_cast<uint16_t*>(cache) + at;
+  for (int64_t i = 0; i < D; ++i) to[i] = round_bf16(from[i]);
+}
+
+}  // namespace
+
 at::Tensor rope_store_at(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                          at::Tensor& v_cache, int64_t start) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &k_cache, &v_cache})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "rope_store takes contiguous float32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              "rope_store: contiguous float32 or bfloat16 caches of one dtype");
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
   const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3), Hkv = k.size(2), S = k_cache.size(2);
   const int64_t half = D / 2;
   TORCH_CHECK(start >= 0 && start + T_ <= S, "cache slots out of range");
@@ -419,8 +446,9 @@ at::Tensor rope_store_at(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  void* kc = k_cache.data_ptr();
+  void* vc = v_cache.data_ptr();
+  std::vector<float> key(D);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T_; ++t) {
       const float* cb = c + (b * T_ + t) * D;
@@ -428,8 +456,9 @@ at::Tensor rope_store_at(const at::Tensor& q, const at::Tensor& k, const at::Ten
       for (int64_t h = 0; h < H; ++h) rotate(qp + ((b * T_ + t) * H + h) * D, cb, sb, op + ((b * H + h) * T_ + t) * D);
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t src = ((b * T_ + t) * Hkv + h) * D, dst = ((b * Hkv + h) * S + start + t) * D;
-        rotate(kp + src, cb, sb, kc + dst);
-        std::copy(vp + src, vp + src + D, vc + dst);
+        rotate(kp + src, cb, sb, key.data());
+        store_row(key.data(), D, kc, dst, bf16);
+        store_row(vp + src, D, vc, dst, bf16);
       }
     }
   return out;

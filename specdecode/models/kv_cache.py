@@ -32,7 +32,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0  # number of valid positions, [0, length)
-        self.cpu_float32 = on_cpu_in_float32(self.k)  # what the native decode layers take: asked once, not a forward
+        self.cpu_native = native_cache(self.k)  # what the native decode layers take: asked once, not a forward
         self.cpu_contiguous = self.k.is_cpu  # what the native slot moves take (zeros: contiguous)
 
     @classmethod
@@ -40,7 +40,7 @@ class KVCache:
         """An empty cache over existing buffers (a model's CUDA graphs lend theirs: graphs fix addresses)."""
         cache = cls.__new__(cls)
         cache.k, cache.v, cache.max_len, cache.length = k, v, k.shape[3], 0
-        cache.cpu_float32 = on_cpu_in_float32(k)
+        cache.cpu_native = native_cache(k)
         cache.cpu_contiguous = (k.is_cpu and v.is_cpu and k.is_contiguous() and v.is_contiguous()
                                 and k.dtype == v.dtype and k.shape == v.shape)
         return cache
@@ -91,10 +91,15 @@ def bytes_per_token(model: torch.nn.Module) -> int | None:
     """Bytes of keys and values one token takes in `model`'s cache (None when its config does not say)."""
     try:
         config = model.config
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize
+        dtype = getattr(model, "kv_dtype", None) or model.dtype
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
     except AttributeError:
         return None
 
 
-def on_cpu_in_float32(buffer: torch.Tensor) -> bool:
-    return buffer.dtype == torch.float32 and buffer.device.type == "cpu"
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what --kv-dtype names
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the CPU kernels read and write
+
+
+def native_cache(buffer: torch.Tensor) -> bool:
+    return buffer.dtype in NATIVE_KV_DTYPES and buffer.device.type == "cpu"

@@ -33,7 +33,7 @@ from torch import nn
 
 from specdecode.config import ModelConfig
 from specdecode.kernels import cpu_kernels
-from specdecode.models.kv_cache import KVCache
+from specdecode.models.kv_cache import NATIVE_KV_DTYPES, KVCache
 from specdecode.models.parts import Part, Segment, row_slots
 
 
@@ -80,8 +80,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def glue_kernels(q: torch.Tensor, k_cache: torch.Tensor):
-    """The native kernels where they can do an attention layer's glue: float32 on CPU, head dim a multiple of 8."""
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or not q.is_cpu or q.shape[-1] % 8:
+    """The native kernels where they can do an attention layer's glue: float32 activations on CPU, a float32 or
+    bfloat16 cache, head dim a multiple of 8."""
+    if q.dtype != torch.float32 or k_cache.dtype not in NATIVE_KV_DTYPES or not q.is_cpu or q.shape[-1] % 8:
         return None
     return cpu_kernels()
 
@@ -138,8 +139,13 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            k_cache.index_copy_(2, write_pos, k)
-            v_cache.index_copy_(2, write_pos, v)
+            k_cache.index_copy_(2, write_pos, k.to(k_cache.dtype))  # a cache in another dtype rounds them
+            v_cache.index_copy_(2, write_pos, v.to(v_cache.dtype))
+        native = (cpu_kernels() if rows is not None and q.is_cpu and self.head_dim % 8 == 0
+                  and k_cache.dtype in NATIVE_KV_DTYPES else None)
+        if native is None and k_cache.dtype != q.dtype:
+            # torch's attention takes one dtype: the cache's keys and values widened (the native kernel reads them)
+            k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
         if rows is None:
             keys, values = k_cache[:, :, : attn_mask.shape[-1]], v_cache[:, :, : attn_mask.shape[-1]]
             if seg.mask_rows:  # per row, as a one-row forward with the same mask width computes it
@@ -149,9 +155,9 @@ class Attention(nn.Module):
                     for j in range(q.shape[2])
                 ], dim=2)  # fmt: skip
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=True)  # [B,H,T,hd]
-        if (kernels := cpu_kernels() if q.device.type == "cpu" and self.head_dim % 8 == 0 else None) is not None:
+        if native is not None:
             # Each row by one fixed sequence of operations whatever T is: rows agree bit for bit with T = 1.
-            out = kernels.decode_attention(q.float().contiguous(), k_cache, v_cache, rows.spans, rows.extras)
+            out = native.decode_attention(q.float().contiguous(), k_cache, v_cache, rows.spans, rows.extras)
             return out.to(q.dtype)
         if not rows.extras:  # one query per call, exactly the call a one-token forward makes: rows agree bit for bit
             return torch.cat([
@@ -259,9 +265,12 @@ class Transformer(nn.Module):
         # CUDA graphs (models/cuda_graphs.py, use_graphs). None: the plain PyTorch layers below.
         self.native = None
         self.graphs = None
+        # The KV cache's dtype where it is not the activations' (None: theirs): bfloat16 keys and values halve what
+        # attention reads over a long context (weights/loading.py sets it from --kv-dtype).
+        self.kv_dtype: torch.dtype | None = None
 
     @property
-    def dtype(self) -> torch.dtype:  # of activations and the KV cache (the embedding may be in blocks)
+    def dtype(self) -> torch.dtype:  # of activations (the embedding may be in blocks)
         return self.model.norm.weight.dtype
 
     @property
@@ -274,7 +283,8 @@ class Transformer(nn.Module):
         if lend and self.graphs is not None and batch == 1 and (cache := self.graphs.new_cache(max_len)) is not None:
             return cache
         c = self.config
-        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.kv_dtype or self.dtype,
+                       self.device)
 
     @property
     def max_context(self) -> int:

@@ -100,11 +100,11 @@ class NativeDecode:
     def stack(self, segments: list[Segment]):
         """The decoder layers and the final norm as one native decode step (kernels/layer_cpu.h, DecoderStack), or
         None where the Python loop must run:
-        a prefill segment, a cache not float32 on the CPU (caches are made in the model's dtype and device: the
+        a prefill segment, a cache neither float32 nor bfloat16 on the CPU (caches are made in the model's dtype and device: the
         model's own attributes cost ~20 us a forward to read on flushed caches; the cache says once), or a linear
         layer that is not on a kernel (a LoRA adapter, for one). Built once and rebuilt if a layer is replaced."""
         for s in segments:
-            if s.rows is None or not s.cache.cpu_float32:
+            if s.rows is None or not s.cache.cpu_native:
                 return None
         if self._edits != module_edits.count:  # a module was assigned somewhere since the last check
             linears = self._linear_modules()

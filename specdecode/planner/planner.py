@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
+from specdecode.planner.alone import AloneRecord
 from specdecode.planner.budget import CostCurve, InUseCurve
 from specdecode.planner.estimates import RunningMean
 from specdecode.planner.prices import FIXED, StepPlan, best_count, catch_up_forward_s
@@ -69,13 +70,14 @@ class Outlook:
     """What drafting has been worth for one request (or, as the prior, for every request so far): the gate's
     estimates."""
 
-    __slots__ = ("draft_time", "node_count", "steady", "idle")
+    __slots__ = ("draft_time", "node_count", "steady", "idle", "alone")
 
     def __init__(self, weight: float, nodes: float = PRIOR_NODES) -> None:
         self.draft_time = RunningMean(weight)  # seconds its drafter takes per step; None = not known yet
         self.node_count = RunningMean(weight, nodes)  # nodes it verifies per drafted step
         self.steady = False  # it drafted the step before too: no catching up in this step's drafting time
         self.idle = 0  # steps since it last drafted
+        self.alone = AloneRecord()  # its steps while it decodes alone: whether it drafts then
 
     @property
     def draft_s(self) -> float | None:
@@ -99,6 +101,8 @@ class Planner:
         self.prior = Outlook(SHARED_WEIGHT)  # engine-wide running estimates, over every request so far
         self.gain = RunningMean(SHARED_WEIGHT, PRIOR_GAIN)  # accepted tokens per drafted step, engine-wide
         self.alone_factor = 1.0  # a batched drafter's share of the last draft forwards -> its time alone
+        self.alone_key: int | None = None  # the request that decodes alone this step (None: several, or none)
+        self.forward_s: float | None = None  # this step's target forward, where forwards are timed
 
     # --- a request's size -----------------------------------------------------------------------------------
 
@@ -140,8 +144,9 @@ class Planner:
         return StepPlan(self.costs, decoding - 1, decoding - 1 + prefill_rows)
 
     def choose(self, decoding: list[Request], prefill_rows: int, lag: Lag | None = None) -> set[int]:
-        """The decoding requests that draft this step: every fixed-size one, a request decoding alone, and the
-        automatic ones the gate lets through when several decode. Alone, a drafter's own decisions (grow one
+        """The decoding requests that draft this step: every fixed-size one, an automatic one decoding alone while
+        its drafted steps beat its plain ones (alone.py), and the automatic ones the gate lets through when
+        several decode. Alone, a drafter's own decisions (grow one
         more depth? `StepPlan.grow`) and the cut weigh each forward against the verify cost as it happens; the
         gate's running means only lag behind them: gated, the 0.5B draft model drafted in 37% of a lone
         request's steps on the dev sets (3 of 63 in one turn), its accepted length fell from 3.21 to 1.94 and its
@@ -149,10 +154,16 @@ class Planner:
         when several decode). -> the keys of those that draft."""
         gated = [r for r in decoding if r.auto] if len(decoding) > 1 else []
         chosen = set(self._gate(gated, len(decoding), prefill_rows, lag)) if gated else set()
+        alone = len(decoding) == 1 and not prefill_rows
+        self.alone_key, self.forward_s = (decoding[0].key if alone else None), None
         for request in decoding:
             look = self.outlook[request.key]
             look.steady = request.proposed  # it drafted last step: no catching up in this step's time
-            if not request.auto or len(decoding) == 1 or request.key in chosen:
+            if len(decoding) == 1 and request.auto:  # its own record against its plain steps (alone.py)
+                drafts = look.alone.drafts(self.costs.cost(1))
+            else:
+                drafts = not request.auto or request.key in chosen
+            if drafts:
                 look.idle = 0
                 chosen.add(request.key)
             else:
@@ -185,14 +196,19 @@ class Planner:
 
     def observe(self, rows: int, seconds: float) -> None:
         """A target forward over `rows` rows took `seconds` (CPU only: CUDA runs ahead of the clock)."""
+        self.forward_s = seconds
         if self.in_use is not None:
             self.costs = self.in_use.observe(rows, seconds)
 
     def learn(self, request: Request, num_accepted: int) -> None:
         """After a request's verify: its drafting time, its nodes and what was accepted update the estimates."""
+        look = self.outlook[request.key]
+        if request.key == self.alone_key and self.forward_s is not None and request.auto:
+            drafted = request.proposed and request.nodes > 0
+            look.alone.add(drafted, num_accepted + 1, (request.draft_seconds if drafted else 0.0) + self.forward_s)
         if not request.proposed:
             return
-        look, n = self.outlook[request.key], request.nodes
+        n = request.nodes
         look.node_count.add(n)
         self.prior.node_count.add(n)
         if look.steady:

@@ -65,3 +65,12 @@ PREDICTION_RETRY_AFTER = 8
 PREFILL_ROWS_BUSY = 64
 PREFILL_ROWS_IDLE = 512
 PREFILL_ROWS_ECHO = 64
+# A request decoding alone (planner/alone.py): judged on its last drafted steps (each step's evidence weighs
+# ALONE_DECAY less after each later one), once it has ALONE_MIN_STEPS of them; it decodes plainly for
+# ALONE_BENCH_STEPS steps (doubling to ALONE_BENCH_MAX after each retry that loses too) when its drafted steps make
+# fewer than ALONE_MARGIN times its plain steps' tokens per second (not swept: a margin against timing noise).
+ALONE_DECAY = 0.8
+ALONE_MIN_STEPS = 8
+ALONE_MARGIN = 0.95
+ALONE_BENCH_STEPS = 8
+ALONE_BENCH_MAX = 64

@@ -16,6 +16,7 @@ from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig, runs_natively
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_flags, cpu_kernels
 from specdecode.models.hf_model import HFModel
+from specdecode.models.kv_cache import KV_DTYPES
 from specdecode.models.model import Transformer
 from specdecode.text.token_bridge import TokenBridge
 from specdecode.weights.files import gguf_architecture, load_checkpoint, load_tokenizer, resolve_source  # noqa: F401  (re-exported)
@@ -94,33 +95,55 @@ class LoadPlan:
     quantize: str  # the target's blocks written from float weights: none, q8_0 or q4_k
     draft_weights: str
     draft_quantize: str
+    kv_dtype: torch.dtype | None = None  # the KV caches' where not the activations' dtype (resolve_kv_dtype)
 
     def describe(self) -> str:
         draft = self.draft_quantize
         if self.draft_weights == "stored":
             draft = "as stored" + ("" if draft == "none" else f", wider layers in {draft}")
-        return f"target weights {self.target_form()}, draft weights {draft}, {self.activations()} activations"
+        return f"target weights {self.target_form()}, draft weights {draft}, {self.activations()}"
 
     def describe_target(self) -> str:
         """The target as loaded, the draft left out (what a target forward's cost depends on)."""
-        return f"target weights {self.target_form()}, {self.activations()} activations"
+        return f"target weights {self.target_form()}, {self.activations()}"
 
     def target_form(self) -> str:
         return "as stored" if self.weights == "stored" else self.quantize if self.quantize != "none" else "float"
 
     def activations(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        """The activations' dtype, and the KV cache's where it differs."""
+        kv = "" if self.kv_dtype in (None, self.dtype) else f", {str(self.kv_dtype).removeprefix('torch.')} KV cache"
+        return f"{str(self.dtype).removeprefix('torch.')} activations{kv}"
 
 
 def plan_load(target: str, draft: str | None, dtype: str = "auto", device: str = "cpu", quantize: str = "none",
-              draft_quantize: str = "auto", weights: str = "auto") -> LoadPlan:
+              draft_quantize: str = "auto", weights: str = "auto", kv_dtype: str = "auto") -> LoadPlan:
     """The target's form decides the dtype: weights as stored run with float32 activations (as llama.cpp does),
     float weights in --dtype. A GGUF draft runs as stored whenever the kernel runs (its precision changes only
     the guesses, never the output)."""
     target_form = resolve_weights(weights, target, device, quantize)
     draft_form = resolve_weights("auto", draft, device) if draft else "float"
-    return LoadPlan(resolve_dtype(dtype, device, target_form), target_form, resolve_mode(quantize), draft_form,
-                    resolve_draft_quantize(draft_quantize, device, draft_form))
+    activations = resolve_dtype(dtype, device, target_form)
+    return LoadPlan(activations, target_form, resolve_mode(quantize), draft_form,
+                    resolve_draft_quantize(draft_quantize, device, draft_form),
+                    resolve_kv_dtype(kv_dtype, device, activations))
+
+
+def resolve_kv_dtype(name: str, device: str, activations: torch.dtype) -> torch.dtype | None:
+    """The KV caches' dtype: 'auto' or the activations' name keeps the activations' (None); 'bfloat16' under
+    float32 activations rounds keys and values as they are stored (half the bytes attention reads, speculative
+    output still identical to plain decoding with the same cache dtype), on CPUs where the native kernels run."""
+    if name == "auto":
+        return None
+    if name not in KV_DTYPES:
+        raise SpecdecodeError(f"unknown KV cache dtype '{name}': choose auto, {', '.join(KV_DTYPES)}")
+    chosen = KV_DTYPES[name]
+    if chosen == activations:
+        return None
+    if device != "cpu" or cpu_kernels() is None:
+        raise SpecdecodeError(f"--kv-dtype {name} under {str(activations).removeprefix('torch.')} activations "
+                              "needs the CPU kernels (device cpu); leave it at auto")
+    return chosen
 
 
 def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: str = "none",
@@ -210,11 +233,18 @@ def load_models(target: str, draft: str | None, plan: LoadPlan, device: str = "c
                 trained: str | None = None) -> Models:
     """The target as `plan` runs it and, when `draft` is given, the draft model (`load_draft`)."""
     model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
+    use_kv_dtype(model, plan.kv_dtype)
     models = Models(model, tokenizer, trained=trained)
     if draft is not None:
         models.draft, models.draft_head_tokens, models.draft_bridge = load_draft(
             draft, plan, device, tokenizer, target, adapter, draft_vocab, draft_vocab_corpus)
     return models
+
+
+def use_kv_dtype(model: torch.nn.Module, kv_dtype: torch.dtype | None) -> None:
+    """Caches in `kv_dtype` for a native model (one through transformers keeps its own)."""
+    if kv_dtype is not None and hasattr(model, "kv_dtype"):
+        model.kv_dtype = kv_dtype
 
 
 def load_draft(source: str, plan: LoadPlan, device: str, target_tokenizer: Any, target: str,
@@ -228,6 +258,7 @@ def load_draft(source: str, plan: LoadPlan, device: str, target_tokenizer: Any, 
     # runs in float through transformers even where another draft runs as stored.
     weights = resolve_weights("auto", source, device) if plan.draft_weights == "stored" else plan.draft_weights
     model, tokenizer = load_model(source, plan.dtype, device, plan.draft_quantize, weights, target_tokenizer)
+    use_kv_dtype(model, plan.kv_dtype)
     # The draft's own tokenizer comes with it: loading it separately first cost a second at every start.
     tokenizer = tokenizer or load_tokenizer(source)
     bridge = None
