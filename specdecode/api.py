@@ -81,7 +81,7 @@ class LoadOptions:
     keeps it across runs. `prompt_cache_mb`: memory for recent prompts' keys and values, so that a request sharing
     a prefix with one (a system prompt, the earlier turns of a chat) computes only the rest (0: off). `kv_dtype`:
     the KV caches' dtype, 'bfloat16' under float32 activations halving what attention reads over long contexts
-    (auto: the activations' dtype)."""
+    (auto: bfloat16 for GGUF files as stored on CPU, else the activations' dtype; 'float32' keeps them exact)."""
 
     method: str = DEFAULT_METHOD
     draft: str | None = None

@@ -402,3 +402,32 @@ def test_cache_keep_moves_the_slots_torch_moves(monkeypatch, dtype, kept):
     plain.keep(kept)
     assert native.length == plain.length == 4 + len(kept)
     assert torch.equal(native.k, plain.k) and torch.equal(native.v, plain.v)
+
+
+@pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 2, 128), (14, 2, 64)])
+def test_long_rows_over_a_bfloat16_cache_equal_themselves_alone(heads, kv_heads, dim):
+    """Rows over a bfloat16 cache of up to 300 slots (past 64, a row's whole tiles of 32 run on AMX where the CPU
+    has it): each row of a call equals the row alone; a tree row whose ancestors sit at scattered slots equals its
+    path laid out in order; attention agrees with torch's to bfloat16's precision."""
+    torch.manual_seed(0)
+    k, v = torch.randn(1, kv_heads, 400, dim).bfloat16(), torch.randn(1, kv_heads, 400, dim).bfloat16()
+    q = torch.randn(1, heads, 8, dim)
+    spans = [40, 95, 96, 97, 127, 128, 200, 300]  # around the tiles' edges
+    out = kernels.decode_attention(q, k, v, spans)
+    for t, span in enumerate(spans):
+        one = kernels.decode_attention(q[:, :, t : t + 1].contiguous(), k, v, [span])
+        assert torch.equal(out[:, :, t], one[:, :, 0]), span
+        ref = F.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, :span].float(), v[:, :, :span].float(),
+                                             enable_gqa=True)
+        assert torch.allclose(one, ref, atol=3e-2, rtol=3e-2), span
+    # tree rows: 90 slots of prefix and ten ancestors at 200.. (its tiles gather them), 120 and four at 150..
+    trees = [(90, list(range(200, 210))), (120, [150, 151, 160, 170]), (64, [300])]
+    spans, extras = [s for s, _ in trees], [e for _, e in trees]
+    out = kernels.decode_attention(q[:, :, :3].contiguous(), k, v, spans, extras)
+    for t, (span, ancestors) in enumerate(trees):
+        k_path, v_path = k.clone(), v.clone()
+        k_path[:, :, span : span + len(ancestors)] = k[:, :, ancestors]
+        v_path[:, :, span : span + len(ancestors)] = v[:, :, ancestors]
+        path = kernels.decode_attention(q[:, :, t : t + 1].contiguous(), k_path, v_path, [span + len(ancestors)])
+        assert torch.equal(out[:, :, t], path[:, :, 0]), span

@@ -316,9 +316,13 @@ def test_truncated_real_gguf(tmp_path: Path) -> None:
 
 
 def test_the_kv_cache_dtype_is_checked_before_any_model_loads():
+    from specdecode.kernels import cpu_kernels
     from specdecode.weights.loading import resolve_kv_dtype
 
-    assert resolve_kv_dtype("auto", "cpu", torch.float32) is None
+    kernels = cpu_kernels() is not None
+    assert resolve_kv_dtype("auto", "cpu", torch.float32) == (torch.bfloat16 if kernels else None)
+    assert resolve_kv_dtype("auto", "cpu", torch.bfloat16) is None  # already the activations'
+    assert resolve_kv_dtype("auto", "cuda", torch.float32) is None
     assert resolve_kv_dtype("float32", "cpu", torch.float32) is None  # the activations' own: nothing to change
     with pytest.raises(SpecdecodeError, match="unknown KV cache dtype 'int8'"):
         resolve_kv_dtype("int8", "cpu", torch.float32)
