@@ -28,7 +28,7 @@ PREFETCH_HINTS = ("nta", "t0", "t1", "t2")
 class KernelSwitches:
     """The native kernels' A/B switches, applied when they load; each has a setter there to flip it later."""
 
-    amx: bool = True  # AMX tile products where the CPU has them
+    amx: bool = True  # AMX tile products where the CPU has them (attention over a bfloat16 cache: other bits)
     guided_units: bool = True  # a linear layer's units shared out as threads free up (False: fixed shares)
     team: bool = True  # a decode forward's layers in one parallel region
     huge_pages: bool = True  # repacked weights in 2 MB pages

@@ -323,6 +323,7 @@ def test_the_kv_cache_dtype_is_checked_before_any_model_loads():
     assert resolve_kv_dtype("auto", "cpu", torch.float32) == (torch.bfloat16 if kernels else None)
     assert resolve_kv_dtype("auto", "cpu", torch.bfloat16) is None  # already the activations'
     assert resolve_kv_dtype("auto", "cuda", torch.float32) is None
+    assert resolve_kv_dtype("auto", "cpu", torch.float32, "float") is None  # float weights: as the user's --dtype
     assert resolve_kv_dtype("float32", "cpu", torch.float32) is None  # the activations' own: nothing to change
     with pytest.raises(SpecdecodeError, match="unknown KV cache dtype 'int8'"):
         resolve_kv_dtype("int8", "cpu", torch.float32)

@@ -117,7 +117,9 @@ def cpu_kernels() -> ModuleType | None:
     except Exception as error:  # a missing compiler or headers must not stop generation: fall back, loudly
         log.warning("specdecode: native CPU kernel unavailable (%s); using PyTorch's kernels", error)
         return None
-    switches = settings.current().kernel_switches  # A/B switches of the same bits (settings.py)
+    # A/B switches of the same bits (settings.py); AMX's too, but for attention over a bfloat16 cache (its tiles
+    # round queries and weights to bfloat16: another output, as on a CPU without AMX)
+    switches = settings.current().kernel_switches
     kernels.set_amx(switches.amx)
     kernels.set_guided_units(switches.guided_units)
     kernels.set_team(switches.team)

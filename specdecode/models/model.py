@@ -144,8 +144,11 @@ class Attention(nn.Module):
         native = (cpu_kernels() if rows is not None and q.is_cpu and self.head_dim % 8 == 0
                   and k_cache.dtype in NATIVE_KV_DTYPES else None)
         if native is None and k_cache.dtype != q.dtype:
-            # torch's attention takes one dtype: the cache's keys and values widened (the native kernel reads them)
-            k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
+            # torch's attention takes one dtype: the cache's keys and values widened, as far as they are read (the
+            # native kernel reads them as they are)
+            used = (attn_mask.shape[-1] if rows is None
+                    else max([*rows.spans, *(max(e) + 1 for e in rows.extras if e)]))
+            k_cache, v_cache = k_cache[:, :, :used].to(q.dtype), v_cache[:, :, :used].to(q.dtype)
         if rows is None:
             keys, values = k_cache[:, :, : attn_mask.shape[-1]], v_cache[:, :, : attn_mask.shape[-1]]
             if seg.mask_rows:  # per row, as a one-row forward with the same mask width computes it

@@ -159,8 +159,10 @@ class Planner:
         for request in decoding:
             look = self.outlook[request.key]
             look.steady = request.proposed  # it drafted last step: no catching up in this step's time
-            if len(decoding) == 1 and request.auto:  # its own record against its plain steps (alone.py)
+            if alone and request.auto:  # its own record against its plain steps (alone.py)
                 drafts = look.alone.drafts(self.costs.cost(1))
+            elif len(decoding) == 1:  # beside a prompt's chunk: its steps are not its own to time
+                drafts = True
             else:
                 drafts = not request.auto or request.key in chosen
             if drafts:
@@ -204,8 +206,9 @@ class Planner:
         """After a request's verify: its drafting time, its nodes and what was accepted update the estimates."""
         look = self.outlook[request.key]
         if request.key == self.alone_key and self.forward_s is not None and request.auto:
-            drafted = request.proposed and request.nodes > 0
-            look.alone.add(drafted, num_accepted + 1, (request.draft_seconds if drafted else 0.0) + self.forward_s)
+            # a drafted step that kept no node still paid its drafting: charged to drafting
+            look.alone.add(request.proposed, num_accepted + 1,
+                           (request.draft_seconds if request.proposed else 0.0) + self.forward_s)
         if not request.proposed:
             return
         n = request.nodes

@@ -126,17 +126,18 @@ def plan_load(target: str, draft: str | None, dtype: str = "auto", device: str =
     activations = resolve_dtype(dtype, device, target_form)
     return LoadPlan(activations, target_form, resolve_mode(quantize), draft_form,
                     resolve_draft_quantize(draft_quantize, device, draft_form),
-                    resolve_kv_dtype(kv_dtype, device, activations))
+                    resolve_kv_dtype(kv_dtype, device, activations, target_form))
 
 
-def resolve_kv_dtype(name: str, device: str, activations: torch.dtype) -> torch.dtype | None:
+def resolve_kv_dtype(name: str, device: str, activations: torch.dtype, weights: str = "stored") -> torch.dtype | None:
     """The KV caches' dtype (None: the activations'). 'bfloat16' under float32 activations rounds keys and values
     as they are stored: half the bytes attention reads, and on CPUs with AMX its products in tiles (a verify
     forward's extra rows and a prompt's chunks at ~2x the speed over 1,000-4,000 cached tokens); speculative output
     stays identical to plain decoding with the same cache dtype. 'auto' is bfloat16 where the native CPU kernels
     run under float32 activations (GGUF files as stored), else the activations' dtype."""
     if name == "auto":
-        return torch.bfloat16 if device == "cpu" and activations == torch.float32 and cpu_kernels() else None
+        stored = weights == "stored" and device == "cpu" and activations == torch.float32
+        return torch.bfloat16 if stored and cpu_kernels() is not None else None
     if name not in KV_DTYPES:
         raise SpecdecodeError(f"unknown KV cache dtype '{name}': choose auto, {', '.join(KV_DTYPES)}")
     chosen = KV_DTYPES[name]
