@@ -38,6 +38,7 @@ import torch
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.kernels import cpu_kernels, cpu_model, prefetch_hint, simd_flags
+from specdecode.models.kv_cache import bytes_per_token
 from specdecode.models.masks import chain_mask
 from specdecode.models.parts import Part  # not chain_part: the script also profiles checkouts from before it
 from specdecode.weights.loading import load_model
@@ -79,8 +80,7 @@ def model_bytes(model: torch.nn.Module, context: int, rows: int) -> dict[str, in
     """Bytes one forward over `rows` tokens after `context` reads: layers' weights, LM head, KV cache."""
     layers = sum(linear_bytes(m) for m in model.model.layers.modules() if m is not model.model.layers
                  and hasattr(m, "op"))
-    c = model.config
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize * (context + rows)
+    kv = bytes_per_token(model) * (context + rows)  # in the cache's dtype
     return {"layers": layers, "lm_head": linear_bytes(model.lm_head), "kv_cache": kv}
 
 

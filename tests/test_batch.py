@@ -120,10 +120,12 @@ def test_prefill_in_chunks_leaves_the_same_cache(target, monkeypatch):
 
 
 @pytest.mark.parametrize("drafter", ["ngram-tree", "draft-model-tree"])
-def test_sampled_outputs_with_a_seed_do_not_depend_on_the_batch(target, draft, drafter):
-    """With a fixed draft size a seeded request's random draws are its own: the same tokens in any company.
-    (An automatic size adapts to load and timing, so there only the distribution is fixed: the server drafts a
-    fixed size for seeded sampled requests.)"""
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])
+def test_sampled_outputs_with_a_seed_do_not_depend_on_the_batch(target, draft, drafter, kv_dtype, monkeypatch):
+    """With a fixed draft size a seeded request's random draws are its own: the same tokens in any company, with
+    the activations' and with a bfloat16 cache. (An automatic size adapts to load and timing, so there only the
+    distribution is fixed: the server drafts a fixed size for seeded sampled requests.)"""
+    monkeypatch.setattr(target, "kv_dtype", kv_dtype)
     params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=11)
     requests = [(PROMPTS[0], params), (PROMPTS[3], params), (PROMPTS[1], SamplingParams(max_new_tokens=9))]
     make = NgramDrafter(branches=3) if drafter == "ngram-tree" else DraftModelDrafter(draft, vocab_size=64, width=2)

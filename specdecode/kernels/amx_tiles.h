@@ -17,10 +17,16 @@ struct alignas(64) TileConfig {
 // SPECDECODE_AMX is not 0 (defined in quant_c16_cpu.cpp).
 bool amx_on();
 
-// This thread's scratch for a channel group's unpacked weights: at least `bytes`, 64-byte aligned (tile loads want
-// whole lines), kept from call to call.
+// At least `count` elements of `buffer`, 64-byte aligned (tile loads want whole lines); the caller's buffer is kept
+// from call to call (thread_local where it is).
+template <typename U>
+U* scratch(std::vector<U>& buffer, size_t count) {
+  if (buffer.size() < count + 64) buffer.resize(count + 64);
+  return reinterpret_cast<U*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+}
+
+// This thread's scratch for a channel group's unpacked weights: at least `bytes`.
 inline uint8_t* tile_scratch(size_t bytes) {
   thread_local std::vector<uint8_t> buffer;
-  if (buffer.size() < bytes + 64) buffer.resize(bytes + 64);
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+  return scratch(buffer, bytes);
 }

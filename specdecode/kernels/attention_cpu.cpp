@@ -149,12 +149,6 @@ inline __m512i interleave16(const uint16_t* even, const uint16_t* odd) {
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
-template <typename U>
-U* scratch(std::vector<U>& buffer, size_t count) {  // 64-byte aligned, kept from call to call
-  if (buffer.size() < count + 64) buffer.resize(count + 64);
-  return reinterpret_cast<U*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-}
-
 // One unit's AMX part: R rows of G heads (query n = r G + g at q + r D + g stride) against keys k and values v
 // [slots, D] bfloat16. Row r's first F[r] slots; its j-th slot slot(r, j), of which the first prefix[r] are the
 // cache's own [0, prefix[r]).

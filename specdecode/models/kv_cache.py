@@ -91,7 +91,7 @@ def bytes_per_token(model: torch.nn.Module) -> int | None:
     """Bytes of keys and values one token takes in `model`'s cache (None when its config does not say)."""
     try:
         config = model.config
-        dtype = getattr(model, "kv_dtype", None) or model.dtype
+        dtype = getattr(model, "cache_dtype", model.dtype)  # a model through transformers: its own dtype
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
     except AttributeError:
         return None

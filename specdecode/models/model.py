@@ -277,6 +277,10 @@ class Transformer(nn.Module):
         return self.model.norm.weight.dtype
 
     @property
+    def cache_dtype(self) -> torch.dtype:  # of its keys and values
+        return self.kv_dtype or self.dtype
+
+    @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
@@ -286,8 +290,7 @@ class Transformer(nn.Module):
         if lend and self.graphs is not None and batch == 1 and (cache := self.graphs.new_cache(max_len)) is not None:
             return cache
         c = self.config
-        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.kv_dtype or self.dtype,
-                       self.device)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.cache_dtype, self.device)
 
     @property
     def max_context(self) -> int:
