@@ -329,3 +329,41 @@ def test_the_kv_cache_dtype_is_checked_before_any_model_loads():
         resolve_kv_dtype("int8", "cpu", torch.float32)
     with pytest.raises(SpecdecodeError, match="needs the CPU kernels"):
         resolve_kv_dtype("bfloat16", "cuda", torch.float32)
+
+
+@pytest.mark.parametrize("blocks", ["BF16", "F16"])
+def test_a_16_bit_gguf_runs_as_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocks: str) -> None:
+    """A BF16 or F16 GGUF file (as llama.cpp's quantizer writes one): its matrices kept in 16 bits on the float
+    kernels (bfloat16 on tiles where the CPU has AMX), the embedding widened row by row; logits as the float model's
+    with those weights, and speculation token-identical to plain decoding."""
+    from specdecode.config import SamplingParams
+    from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+    from specdecode.engine.engine import Engine
+    from specdecode.kernels import cpu_kernels
+    from specdecode.models.masks import chain_mask
+    from specdecode.weights.loading import load_model
+    from specdecode.weights.quantize import HalfEmbedding, KernelLinear
+
+    if cpu_kernels() is None:
+        pytest.skip("weights as stored run on the native CPU kernel")
+    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)
+    path, reference = tmp_path / f"{blocks}.gguf", _qwen2()
+    _write_gguf(path, reference, blocks=blocks)
+    model, _ = load_model(str(path), torch.float32, weights="stored")
+    half = torch.bfloat16 if blocks == "BF16" else torch.float16
+    linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    assert len(linears) == 15 and all(m.weight.dtype == half for m in linears)
+    assert isinstance(model.model.embed_tokens, HalfEmbedding) and model.dtype == torch.float32
+    with torch.no_grad():  # the reference runs the 16-bit weights in float32
+        for p in reference.parameters():
+            if p.dim() == 2:
+                p.copy_(p.to(half).float())
+        ids = torch.tensor([[5, 9, 2, 7, 1, 3, 3, 8]])
+        expected = reference(ids).logits[0]
+        logits, _ = model(ids, torch.arange(8)[None], model.new_cache(1, 16), chain_mask(0, 8))
+    assert (logits[0] - expected).abs().max() < 0.02 * expected.abs().max()
+    prompt, params = [5, 9, 2, 7, 5, 9], SamplingParams(max_new_tokens=16)
+    plain = [t for s in Engine(model, NoDrafter()).generate(prompt, params) for t in s.tokens]
+    for drafter in (NgramDrafter(), DraftModelDrafter(model, vocab_size=len(TOKENS))):
+        engine = Engine(model, drafter, num_draft_tokens=3)
+        assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain

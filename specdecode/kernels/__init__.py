@@ -28,7 +28,7 @@ import torch
 from specdecode import settings
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "activation_cpu.cpp", "argmax_cpu.cpp", "sample_cpu.cpp", "embedding_cpu.cpp", "cache_cpu.cpp", "layer_cpu.cpp", "bindings.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "linear_bf16_tiles_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "activation_cpu.cpp", "argmax_cpu.cpp", "sample_cpu.cpp", "embedding_cpu.cpp", "cache_cpu.cpp", "layer_cpu.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "layer_cpu.h", "team_cpu.h", "aten_lite.h",
                                                             "amx_tiles.h", "huge_pages.h")]
 

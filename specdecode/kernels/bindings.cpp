@@ -11,6 +11,10 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "y = x @ W^T, W float32");
   m.def("linear_bf16", &linear_bf16, "y = x @ W^T, W bfloat16");
+  m.def("linear_f16", &linear_f16, "y = x @ W^T, W float16");
+  m.def("bf16_tiles_on", &bf16_tiles_on, "whether bfloat16 weights run on AMX tiles here (linear_bf16_tiles)");
+  m.def("linear_bf16_tiles", &linear_bf16_tiles, "y = x @ W^T + b, W bfloat16 in tile layout, x rounded to "
+        "bfloat16, float32 sums; every row as a one-row call computes it");
   m.def("linear_quant", &linear_quant, "y = x @ W^T + b, W in GGUF-style blocks, x quantized per row, integer dots");
   m.def("repack_c16", &repack_c16, "k-quant blocks, row layout -> 16 output channels per vector");
   m.def("linear_c16", &linear_c16, "y = x @ W^T + b, k-quant W with 16 channels per vector");
@@ -56,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("repeats") = 1000);
 
   py::class_<LinearOp>(m, "LinearOp", "a linear layer on one of the kernels (kind: 0 c16, 1 c16 legacy, 2 rows, "
-                                      "3 float32, 4 bfloat16)")
+                                      "3 float32, 4 bfloat16, 5 bfloat16 tiles, 6 float16)")
       .def(py::init<int64_t, std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>>(), py::arg("kind"),
            py::arg("tensors"), py::arg("bias"), py::arg("ints"))
       .def("__call__", &LinearOp::operator())

@@ -93,6 +93,13 @@ inline void run_channel_groups(int64_t first, int64_t last, int64_t M, int64_t N
 
 at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor linear_f16(const at::Tensor& x, const at::Tensor& weight);
+// bfloat16 weights in AMX tile layout (linear_bf16_tiles_cpu.cpp): whether they run here, and a layer's work in
+// units of 16 output channels.
+bool bf16_tiles_on();
+LinearWork linear_bf16_tiles_work(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& bias,
+                                  QuantizedActs& acts);
+at::Tensor linear_bf16_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& bias);
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh,
                         const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
                         const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t S, int64_t G);

@@ -118,14 +118,16 @@ at::Tensor LinearOp::operator()(const at::Tensor& x) const {
   const auto& w = tensors;
   switch (kind) {
     case kC16:
-    case kC16Legacy: {
+    case kC16Legacy:
+    case kBf16Tiles: {
       QuantizedActs acts;
       return run_alone(work(x, acts));
     }
     case kQuant: return linear_quant(x, w[0], w[1], w[2], w[3], w[4], w[5], bias, ints[0], ints[1], ints[2]);
     case kFp32:
-    case kBf16: {  // the float kernels take no bias: added after, as KernelLinear does
-      auto y = kind == kFp32 ? linear_fp32(x, w[0]) : linear_bf16(x, w[0]);
+    case kBf16:
+    case kF16: {  // the float kernels take no bias: added after, as KernelLinear does
+      auto y = kind == kFp32 ? linear_fp32(x, w[0]) : kind == kBf16 ? linear_bf16(x, w[0]) : linear_f16(x, w[0]);
       return bias.defined() && bias.numel() ? y.add(bias) : y;  // y + bias, without ATen's operator header
     }
   }
@@ -148,6 +150,7 @@ LinearWork LinearOp::work(const at::Tensor& x, QuantizedActs& acts) const {
   const auto& w = tensors;
   if (kind == kC16) return linear_c16_work(x, w[0], w[1], w[2], w[3], w[4], w[5], bias, ints[0], ints[1], acts);
   if (kind == kC16Legacy) return linear_c16_legacy_work(x, w[0], w[1], w[2], w[3], bias, ints[0], ints[1], acts);
+  if (kind == kBf16Tiles) return linear_bf16_tiles_work(x, w[0], bias, acts);
   LinearWork whole;
   whole.done = [this, x] { return (*this)(x); };
   return whole;
@@ -374,10 +377,34 @@ at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& idx, const cha
 }
 }  // namespace
 
+// Rows of a bfloat16 or float16 table widened to float32: exact, as torch's lookup then .float() gives them.
+static at::Tensor widened_rows(const at::Tensor& table, const at::Tensor& idx) {
+  const bool bf16 = table.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(table.dim() == 2 && (bf16 || table.scalar_type() == at::kHalf) && table.is_contiguous() &&
+                  table.is_cpu() && table.size(1) % 8 == 0,
+              "token ids: a contiguous bfloat16 or float16 table [P, d] on the CPU, d a multiple of 8");
+  TORCH_CHECK(idx.dim() == 1 && idx.scalar_type() == at::kLong && idx.is_contiguous(), "token ids: int64 [T]");
+  const int64_t n = idx.size(0), rows = table.size(0), d = table.size(1);
+  const int64_t* at_row = idx.data_ptr<int64_t>();
+  auto out = at::empty({n, d}, table.options().dtype(at::kFloat));
+  const auto* from = reinterpret_cast<const uint16_t*>(table.data_ptr());
+  float* to = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(at_row[i] >= 0 && at_row[i] < rows, "token ids: index ", at_row[i], " outside [0, ", rows, ")");
+    const uint16_t* row = from + at_row[i] * d;
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
+      _mm256_storeu_ps(to + i * d + c, bf16 ? specdecode::load_bf16x8(row + c) : _mm256_cvtph_ps(half));
+    }
+  }
+  return out;
+}
+
 at::Tensor TokenEmbedding::rows(const at::Tensor& ids) const {
   TORCH_CHECK((kind == kFloat && tensors.size() == 1) || (kind == kBlocks && tensors.size() == 6 && ints.size() == 5),
               "TokenEmbedding: kind 0 takes 6 tensors and 5 integers, kind 1 one tensor (got kind ", kind, ")");
   TORCH_CHECK(ids.is_cpu(), "token ids must be on the CPU");
+  if (kind == kFloat && tensors[0].scalar_type() != at::kFloat) return widened_rows(tensors[0], ids);
   if (kind == kFloat) return gather_rows(tensors[0], ids, "token ids");  // what torch's embedding lookup copies
   return embedding_rows(ids, tensors[0], tensors[1], tensors[2], tensors[3], tensors[4], tensors[5], ints[0], ints[1],
                         ints[2], ints[3] != 0, ints[4] != 0);

@@ -14,7 +14,7 @@
 // A linear layer on one of the kernels, with what the kernel needs: built by quantize.py's QuantLinear and
 // KernelLinear (their `op`).
 struct LinearOp {
-  enum Kind : int64_t { kC16 = 0, kC16Legacy = 1, kQuant = 2, kFp32 = 3, kBf16 = 4 };
+  enum Kind : int64_t { kC16 = 0, kC16Legacy = 1, kQuant = 2, kFp32 = 3, kBf16 = 4, kBf16Tiles = 5, kF16 = 6 };
   int64_t kind;
   std::vector<at::Tensor> tensors;  // the weight's tensors, in the kernel's argument order
   at::Tensor bias;                  // empty: none
@@ -29,7 +29,7 @@ struct LinearOp {
   LinearWork work(const at::Tensor& x, QuantizedActs& acts) const;
   // The 16-channel kernels' units, known from the weights alone: how many, their bytes, and unit u's weights
   // fetched into this thread's L2 cache (a thread reading ahead while another does a layer's serial work).
-  bool has_units() const { return kind == kC16 || kind == kC16Legacy; }
+  bool has_units() const { return kind == kC16 || kind == kC16Legacy || kind == kBf16Tiles; }
   int64_t units() const { return has_units() ? tensors[0].size(0) : 0; }
   int64_t unit_bytes() const;
   void prefetch_unit(int64_t u) const;

@@ -11,7 +11,8 @@
 //    verify forward produces bit for bit the numbers a one-token forward would, and speculative greedy output is
 //    token-identical to plain decoding.
 //
-// Weight formats: fp32, float32 [N, K]; bf16, uint16 [N, K], the upper half of a float32.
+// Weight formats: fp32, float32 [N, K]; bf16, uint16 [N, K], the upper half of a float32; f16, IEEE half [N, K]
+// (F16C widens it exactly).
 #include "aten_lite.h"
 #include <immintrin.h>
 
@@ -26,7 +27,7 @@ using specdecode::load_bf16x8;
 
 constexpr int kMaxTile = 6;
 
-enum class Format { fp32, bf16 };
+enum class Format { fp32, bf16, f16 };
 
 struct Weights {
   Format format;
@@ -39,8 +40,10 @@ template <Format F>
 inline __m256 decode8(const Weights& w, int64_t n, int64_t k) {
   if constexpr (F == Format::fp32) {
     return _mm256_loadu_ps(static_cast<const float*>(w.data) + n * w.K + k);
-  } else {
+  } else if constexpr (F == Format::bf16) {
     return load_bf16x8(static_cast<const uint16_t*>(w.data) + n * w.K + k);
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.data) + n * w.K + k)));
   }
 }
 
@@ -111,6 +114,7 @@ at::Tensor run(const at::Tensor& x, const Weights& w, int64_t N) {
       switch (w.format) {
         case Format::fp32: block<Format::fp32>(xp, M, w, yp, N, 4 * b); break;
         case Format::bf16: block<Format::bf16>(xp, M, w, yp, N, 4 * b); break;
+        case Format::f16: block<Format::f16>(xp, M, w, yp, N, 4 * b); break;
       }
     }
   });
@@ -128,4 +132,9 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight) {
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "weight must be bfloat16 [N, K]");
   return run(x, {Format::bf16, weight.data_ptr(), weight.size(1)}, weight.size(0));
+}
+
+at::Tensor linear_f16(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kHalf && weight.is_contiguous(), "weight must be float16 [N, K]");
+  return run(x, {Format::f16, weight.data_ptr(), weight.size(1)}, weight.size(0));
 }

@@ -61,7 +61,9 @@ NAMES = [
 ]
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 PACKED_FIELDS = ("qs", "qh", "scales", "mins", "d", "dmin")
-LAYOUT = 3  # of blocks.PackedWeight; part of the cache folder's name, so a new layout never reads an old folder
+# of blocks.PackedWeight and the float matrices (4: F16 and BF16 ones kept in 16 bits); part of the cache folder's
+# name, so a new layout never reads an old folder
+LAYOUT = 4
 
 
 @dataclass
@@ -144,8 +146,8 @@ def _unpack_gguf(gguf: Path, out: Path, narrow: str) -> None:
         if type_name not in FLOAT_TYPES and type_name not in warned:
             warned.add(type_name)
             log.warning("specdecode: GGUF block type %s has no integer kernel; running it de-quantized", type_name)
-        values = np.asarray(t.data) if type_name in FLOAT_TYPES else dequantize(t.data, t.tensor_type)
-        value = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+        value = float_tensor(t.data, type_name, shape) if type_name in FLOAT_TYPES else torch.from_numpy(
+            np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
         tensors[name] = value[permute[kind]] if kind in permute else value
     expected = set(skeleton.state_dict()) - {"lm_head.weight"}
     if missing := sorted(expected - set(formats) - set(tensors)):
@@ -153,6 +155,18 @@ def _unpack_gguf(gguf: Path, out: Path, narrow: str) -> None:
     if "lm_head.weight" not in formats and "lm_head.weight" not in tensors:
         config.tie_word_embeddings = True
     write_folder(out, config, tensors, gguf_tokenizer(gguf), {"block_formats": json.dumps(formats)})
+
+
+def float_tensor(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Tensor:
+    """A GGUF float tensor as stored: F32 and F16 as numpy reads them, BF16 from its raw bytes (numpy has no
+    bfloat16: the reader gives two bytes a value). Matrices keep their 16-bit dtype (the linear layers run it on the
+    kernels, the embedding widens the rows it looks up); vectors (norms, biases) become float32."""
+    raw = np.ascontiguousarray(data)
+    if type_name == "BF16":
+        value = torch.from_numpy(raw.view(np.uint8).copy()).view(torch.bfloat16).reshape(shape)
+    else:
+        value = torch.from_numpy(raw.copy()).reshape(shape)
+    return value if value.dim() == 2 else value.float()
 
 
 def hf_name(gguf_name: str) -> str | None:

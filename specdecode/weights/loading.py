@@ -20,10 +20,11 @@ from specdecode.models.kv_cache import KV_DTYPES
 from specdecode.models.model import Transformer
 from specdecode.text.token_bridge import TokenBridge
 from specdecode.weights.files import gguf_architecture, load_checkpoint, load_tokenizer, resolve_source  # noqa: F401  (re-exported)
-from specdecode.weights.quantize import apply_packed_, quantize_, resolve_mode
+from specdecode.weights.quantize import apply_packed_, quantize_, resolve_mode, widen_embedding_
 from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 WEIGHT_FORMS = ("auto", "stored", "float")
 # A GGUF draft's layers stored in more bits per weight than this are written again in it, once (cached): a guess of
 # the Qwen2.5-Coder-0.5B Q4_K_M draft (Q5_0, Q6_K, Q8_0 layers) reads 219 MB instead of 279, its forward 9.0 ms
@@ -189,17 +190,26 @@ def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None, narrow: str = 
     config = ModelConfig.from_hf(ckpt.config)
     with torch.device("meta"):
         model = Transformer(config)
-    model.load_state_dict({name: t.to(dtype) for name, t in ckpt.floats.items()}, strict=False, assign=True)
+    model.load_state_dict({name: as_run(t, dtype) for name, t in ckpt.floats.items()}, strict=False, assign=True)
     packed, ckpt.packed = ckpt.packed, {}  # consumed layer by layer below: each row layout freed once repacked
     if "lm_head.weight" not in packed and "lm_head.weight" not in ckpt.floats:  # tied: the output matrix is the
         if "model.embed_tokens.weight" in packed:  # embedding, in whichever form the file stores it
             packed["lm_head.weight"] = packed["model.embed_tokens.weight"]
         else:
             model.lm_head.weight = model.model.embed_tokens.weight
+    widen_embedding_(model)
     apply_packed_(model, packed)
     if missing := [name for name, p in model.named_parameters() if p.is_meta]:
         raise SpecdecodeError(f"{gguf.name} lacks {len(missing)} weights (first: {missing[0]}): the file is incomplete")
     return model.eval(), ckpt.tokenizer
+
+
+def as_run(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of weights as stored in the dtype it runs in: bfloat16 and float16 matrices keep their 16 bits
+    under float32 activations (the linear layers read them on the kernels, the embedding widens the rows it looks
+    up: half the bytes of float32, the same values); everything else in `dtype`."""
+    keeps = tensor.dim() == 2 and tensor.dtype in HALF_DTYPES and dtype == torch.float32
+    return tensor if keeps else tensor.to(dtype)
 
 
 def _transformers(hf_config: dict, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,

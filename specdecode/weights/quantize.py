@@ -28,25 +28,91 @@ MODES = ("none", "q8_0", "q4_0", "q4_k")
 SUPERBLOCK = {"q8_0": 32, "q4_0": 32, "q4_k": 256}  # the input dimension must be a whole number of these
 ALIASES = {"int8": "q8_0", "int4": "q4_k"}
 LEGACY_OFFSETS = {"q4_0": 8, "q5_0": 16, "q8_0": 128}  # w = d (code - offset); Q4_1 and Q5_1 keep a min instead
-OP_C16, OP_C16_LEGACY, OP_ROWS, OP_FP32, OP_BF16 = range(5)  # kernels.LinearOp kinds (kernels/layer_cpu.h)
+# kernels.LinearOp kinds (kernels/layer_cpu.h)
+OP_C16, OP_C16_LEGACY, OP_ROWS, OP_FP32, OP_BF16, OP_BF16_TILES, OP_F16 = range(7)
+FLOAT_OPS = {torch.float32: OP_FP32, torch.bfloat16: OP_BF16, torch.float16: OP_F16}
+
+
+def bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 matrix [N, K] in AMX tile layout [N / 16, K / 32, 16, 16, 2]: [u, t, p, c, j] = W[16 u + c,
+    32 t + 2 p + j] (kernels/linear_bf16_tiles_cpu.cpp). The same values, moved."""
+    n, k = weight.shape
+    return weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def bf16_rows(tiles: torch.Tensor) -> torch.Tensor:
+    """bf16_tiles' inverse: the matrix [N, K] again."""
+    units, depth = tiles.shape[:2]
+    return tiles.permute(0, 3, 1, 2, 4).reshape(units * 16, depth * 32)
 
 
 class KernelLinear(nn.Module):
-    """nn.Linear with float32 or bfloat16 weights on the float kernel; float32 accumulation."""
+    """nn.Linear with float32, bfloat16 or float16 weights on the float kernels; float32 accumulation. A bfloat16
+    matrix whose shape fits runs on AMX tiles where the CPU has them (kernels/linear_bf16_tiles_cpu.cpp): repacked
+    once here, its row layout kept only where another module reads it (`shared`: a tied embedding), else given
+    back as `weight` when asked for (rarely: cutting a head)."""
 
-    def __init__(self, linear: nn.Linear, kernels) -> None:
+    def __init__(self, linear: nn.Linear, kernels, shared: bool = False) -> None:
         super().__init__()
         self.bias = linear.bias
-        self.weight = linear.weight  # the same Parameter: tied embeddings stay tied, nothing is copied
-        self.linear = kernels.linear_fp32 if self.weight.dtype == torch.float32 else kernels.linear_bf16
-        kind = OP_FP32 if self.weight.dtype == torch.float32 else OP_BF16
-        # the native decoder layer's handle on this layer (model.py); it adds the bias as forward does
-        self.op = kernels.LinearOp(kind, [self.weight.detach()], _bias_or_empty(self.bias), [])
+        weight = linear.weight
+        n, k = weight.shape
+        self.tiles = None
+        if weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and kernels.bf16_tiles_on():
+            self.tiles = bf16_tiles(weight)
+            bias32 = self.bias.detach().float().contiguous() if self.bias is not None else torch.empty(0)
+            self.op = kernels.LinearOp(OP_BF16_TILES, [self.tiles], bias32, [])
+        else:
+            linears = {OP_FP32: kernels.linear_fp32, OP_BF16: kernels.linear_bf16, OP_F16: kernels.linear_f16}
+            self.linear = linears[FLOAT_OPS[weight.dtype]]
+            # the native decoder layer's handle on this layer (model.py); it adds the bias as forward does
+            self.op = kernels.LinearOp(FLOAT_OPS[weight.dtype], [weight.detach()], _bias_or_empty(self.bias), [])
+        if self.tiles is None or shared:  # the same Parameter: tied embeddings stay tied, nothing is copied
+            self._parameters["weight"] = weight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        kept = self._parameters.get("weight")
+        return kept if kept is not None else bf16_rows(self.tiles)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.linear(x.reshape(-1, x.shape[-1]).float().contiguous(), self.weight)  # [M, out] float32
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        if self.tiles is not None:  # the bias is added by the kernel, one float add per output as below
+            return self.op(x2).view(*x.shape[:-1], -1).to(x.dtype)
+        out = self.linear(x2, self.weight)  # [M, out] float32
         out = out.view(*x.shape[:-1], -1).to(x.dtype)
         return out + self.bias if self.bias is not None else out
+
+    def forward_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As QuantLinear.forward_argmax (the bias in, as the kernel adds it)."""
+        out, argmax = self.op.with_argmax(x.float().contiguous())
+        return out, argmax
+
+
+class HalfEmbedding(nn.Module):
+    """Token embeddings kept in bfloat16 or float16 under float32 activations: the rows looked up are widened (exact),
+    so the table costs half the memory of float32 and no bytes a token. `native`: the same lookup in a native decode
+    forward."""
+
+    def __init__(self, embedding: nn.Embedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = embedding.weight  # the same Parameter: a head tied to it stays tied
+        self.dtype = dtype
+        kernels = cpu_kernels() if self.weight.device.type == "cpu" else None
+        usable = kernels is not None and dtype == torch.float32 and self.weight.shape[1] % 8 == 0
+        self.native = kernels.TokenEmbedding(1, [self.weight.detach()], []) if usable else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(tokens, self.weight).to(self.dtype)
+
+
+def widen_embedding_(model: nn.Module) -> nn.Module:
+    """A native model's 16-bit embedding under float32 activations -> HalfEmbedding (in place)."""
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if type(embed) is nn.Embedding and embed.weight.dtype != model.dtype and embed.weight.dtype in FLOAT_OPS:
+        inner.embed_tokens = HalfEmbedding(embed, model.dtype)
+    return model
 
 
 class QuantLinear(nn.Module):
@@ -171,6 +237,7 @@ def quantize_(model: nn.Module, mode: str) -> nn.Module:
     kernels = _kernels_for(model, mode)
     if kernels is None:
         return model
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, HalfEmbedding))}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
@@ -179,8 +246,8 @@ def quantize_(model: nn.Module, mode: str) -> nn.Module:
             if mode != "none" and in_features % SUPERBLOCK[mode] == 0:
                 packed = quantize_float(child.weight, mode)
                 setattr(parent, name, QuantLinear(packed, child.bias, kernels))
-            elif child.weight.dtype in (torch.float32, torch.bfloat16) and in_features % 8 == 0:
-                setattr(parent, name, KernelLinear(child, kernels))  # odd shapes stay float
+            elif child.weight.dtype in FLOAT_OPS and in_features % 8 == 0:  # odd shapes stay float
+                setattr(parent, name, KernelLinear(child, kernels, shared=id(child.weight) in embeddings))
     return apply_native(model)  # its decode forwards in one native call where every layer is on a kernel
 
 
