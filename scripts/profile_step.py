@@ -76,6 +76,23 @@ def linear_bytes(module: torch.nn.Module) -> int:
     return 0 if weight is None else weight.numel() * weight.element_size()
 
 
+def linear_macs(module: torch.nn.Module) -> int:
+    """Multiply-adds a linear layer does per row: its outputs times its inputs."""
+    if hasattr(module, "out_features"):
+        return int(module.out_features * module.in_features)
+    if getattr(module, "tiles", None) is not None:
+        return module.tiles.numel()
+    weight = getattr(module, "weight", None)
+    return 0 if weight is None else weight.numel()
+
+
+def model_macs(model: torch.nn.Module) -> int:
+    """Multiply-adds of the linear layers and the LM head per row (attention aside)."""
+    layers = sum(linear_macs(m) for m in model.model.layers.modules() if m is not model.model.layers
+                 and hasattr(m, "op"))
+    return layers + linear_macs(model.lm_head)
+
+
 def model_bytes(model: torch.nn.Module, context: int, rows: int) -> dict[str, int]:
     """Bytes one forward over `rows` tokens after `context` reads: layers' weights, LM head, KV cache."""
     layers = sum(linear_bytes(m) for m in model.model.layers.modules() if m is not model.model.layers
@@ -159,6 +176,7 @@ def forward_table(name: str, model: torch.nn.Module, args, region_s: float, size
         rows_out.append({"model": name, "rows": rows, "ms": wall * 1e3, "ms_min": min(times) * 1e3,
                          "ms_max": max(times) * 1e3, "mb_read": {k: v / 1e6 for k, v in nbytes.items()},
                          "bytes": sum(nbytes.values()), "regions": regions, "bandwidth_gbs": adjacent,
+                         "gflops": 2 * model_macs(model) * rows / wall / 1e9,
                          "regions_ms": regions * region_s * 1e3, "split_ms": {k: v * 1e3 for k, v in split.items()}})
     return rows_out
 
@@ -172,18 +190,23 @@ def llamacpp_one_token(args) -> dict[str, float]:
             for name, model in (("target", args.target), ("draft (plain decoder)", args.draft))}
 
 
-def print_forwards(rows: list[dict], llamacpp: dict[str, float] | None = None) -> None:
+def _share(gflops: float, peak: float) -> str:
+    return f" ({100 * gflops / peak:.0f}%)" if peak else ""
+
+
+def print_forwards(rows: list[dict], llamacpp: dict[str, float] | None = None, peak: float = 0.0) -> None:
+    """`peak`: the machine's bfloat16 tile peak in GFLOP/s (0: none here)."""
     print("\n### Forwards (median of the repeats; floor = bytes read / the best bandwidth read beside the row)\n")
     stages = list(dict.fromkeys(stage for r in rows for stage in r["split_ms"]))
     print("| model | rows | ms (min-max) | MB read (layers + head + KV) | GB/s beside | floor ms | share of floor | "
-          + " | ".join(stages) + " | fork-joins (ms if empty) |")
-    print("|---|---:|---|---|---:|---:|---:|" + "---:|" * len(stages) + "---:|")
+          "linear GFLOP/s (share of the bf16 tile peak) | " + " | ".join(stages) + " | fork-joins (ms if empty) |")
+    print("|---|---:|---|---|---:|---:|---:|---:|" + "---:|" * len(stages) + "---:|")
     for r in rows:
         mb = r["mb_read"]
         print(f"| {r['model']} | {r['rows']} | {r['ms']:.2f} ({r['ms_min']:.2f}-{r['ms_max']:.2f}) | "
               f"{mb['layers']:.0f} + {mb['lm_head']:.0f} + {mb['kv_cache']:.0f} | {max(r['bandwidth_gbs']):.0f} | "
               f"{r['floor_ms']:.2f} | "
-              f"{100 * r['share_of_floor']:.0f}% | " + " | ".join(f"{r['split_ms'][s]:.2f}" if s in r["split_ms"] else "-" for s in stages)
+              f"{100 * r['share_of_floor']:.0f}% | {r['gflops']:.0f}{_share(r['gflops'], peak)} | " + " | ".join(f"{r['split_ms'][s]:.2f}" if s in r["split_ms"] else "-" for s in stages)
               + f" | {r['regions']} ({r['regions_ms']:.2f}) |")
     for name, ms in (llamacpp or {}).items():
         ours = next((r for r in rows if r["model"] == name and r["rows"] == 1), None)
@@ -271,8 +294,11 @@ def main() -> None:
     kernels = cpu_kernels()
     region_s = kernels.parallel_region_seconds(2000) if hasattr(kernels, "parallel_region_seconds") else 0.0
     print(f"one empty fork-join of the thread team {region_s * 1e6:.1f} us")
+    peak = kernels.bf16_tile_peak_flops() / 1e9 if hasattr(kernels, "bf16_tile_peak_flops") else 0.0
+    if peak:  # what a prompt's chunk (--rows 512) is measured against
+        print(f"bfloat16 AMX tile peak {peak:.0f} GFLOP/s (back-to-back tile products, every thread)")
     report: dict = {"cpu": cpu_model(), "flags": flags, "threads": torch.get_num_threads(), "bandwidth_gbs": bw,
-                    "fork_join_us": region_s * 1e6, "forwards": [], "steps": {}}
+                    "fork_join_us": region_s * 1e6, "bf16_tile_peak_gflops": peak, "forwards": [], "steps": {}}
 
     sd = None
     for method in args.methods.split(","):
@@ -296,7 +322,7 @@ def main() -> None:
                 bw += row["bandwidth_gbs"]
             print(f"read bandwidth {min(bw):.1f}-{max(bw):.1f} GB/s over the run ({len(bw)} reads of 0.5 GiB, "
                   "six beside each row of the table)")
-            print_forwards(report["forwards"], report.get("llamacpp_ms"))
+            print_forwards(report["forwards"], report.get("llamacpp_ms"), peak)
         report["steps"][method] = step_profile(sd, args)
     print_steps(report["steps"])
     if args.json:

@@ -50,12 +50,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_weight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=["auto", "stored", "float"],
-                   help="stored: run a GGUF file's quantized blocks as they are (CPU kernel); float: de-quantize "
-                        "to --dtype (auto: stored for GGUF files on CPU)")
+                   help="stored: run the checkpoint's weights as they are on the CPU kernels (a GGUF file's "
+                        "blocks, a GGUF's or an HF folder's bfloat16/float16 matrices; float32 activations); float: "
+                        "the weights in --dtype (auto: stored on CPU where the native model runs the architecture)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the KV caches' dtype: bfloat16 halves what attention reads over long prompts (on AMX "
                         "CPUs, attention in tiles); output stays identical to plain decoding with the same cache "
-                        "dtype (auto: bfloat16 for GGUF files as stored on CPU, else the activations' dtype)")
+                        "dtype (auto: bfloat16 for weights as stored on CPU, else the activations' dtype)")
     p.add_argument("--quantize", default="none", choices=["none", "q8_0", "q4_0", "q4_k", "int8", "int4"],
                    help="write a float target's weights in blocks (int8 = q8_0, int4 = q4_k); the output is "
                         "exact for that target")

@@ -138,3 +138,18 @@ def test_an_interrupt_keeps_the_prompts_every_candidate_finished(tmp_path):
                        torch.device("cpu"), progress=False)
     assert measured.interrupted and measured.prompts_left == 3
     assert sorted(r.method for r in measured.runs) == ["ngram", "ngram", "none", "none"]
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="float weights on the CPU kernels")
+def test_a_float_target_is_told_what_blocks_would_read():
+    import torch
+    from tiny import tiny_native
+
+    from specdecode.advise.cli import float_weights_note
+    from specdecode.weights.quantize import quantize_
+
+    model = quantize_(tiny_native("qwen2", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512), "none")
+    note = float_weights_note(model)
+    assert "GB of bfloat16 weights a token" in note and "--quantize q8_0" in note and "--quantize q4_k" in note
+    assert "~1.9x" in note and "~3.6x" in note  # 2 bytes a weight against 34/32 and 144/256
+    assert float_weights_note(quantize_(tiny_native("qwen2", hidden_size=256, intermediate_size=512), "q8_0")) is None

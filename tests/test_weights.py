@@ -367,3 +367,48 @@ def test_a_16_bit_gguf_runs_as_stored(tmp_path: Path, monkeypatch: pytest.Monkey
     for drafter in (NgramDrafter(), DraftModelDrafter(model, vocab_size=len(TOKENS))):
         engine = Engine(model, drafter, num_draft_tokens=3)
         assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
+
+
+def test_a_bfloat16_hf_folder_runs_as_stored(tmp_path: Path) -> None:
+    """An HF folder in bfloat16 (as models ship): `auto` keeps its matrices in bfloat16 under float32 activations,
+    as a BF16 GGUF runs; a float32 draft folder is still written in blocks; speculation equals plain decoding."""
+    from specdecode.config import SamplingParams
+    from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+    from specdecode.engine.engine import Engine
+    from specdecode.kernels import cpu_kernels
+    from specdecode.weights.loading import load_model, plan_load
+    from specdecode.weights.quantize import HalfEmbedding, KernelLinear
+
+    if cpu_kernels() is None:
+        pytest.skip("weights as stored run on the native CPU kernel")
+    folder, draft = tmp_path / "bf16", tmp_path / "draft"
+    _qwen2().to(torch.bfloat16).save_pretrained(folder)
+    _qwen2().save_pretrained(draft)
+    plan = plan_load(str(folder), str(draft))
+    assert (plan.weights, plan.dtype, plan.draft_weights, plan.draft_quantize) == ("stored", torch.float32,
+                                                                                    "float", "q8_0")
+    assert plan.describe().startswith("target weights as stored")
+    model, _ = load_model(str(folder), plan.dtype, weights=plan.weights)
+    linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    assert len(linears) == 15 and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert isinstance(model.model.embed_tokens, HalfEmbedding) and model.dtype == torch.float32
+    prompt, params = [5, 9, 2, 7, 5, 9], SamplingParams(max_new_tokens=16)
+    plain = [t for s in Engine(model, NoDrafter()).generate(prompt, params) for t in s.tokens]
+    for drafter in (NgramDrafter(), DraftModelDrafter(model, vocab_size=len(TOKENS))):
+        engine = Engine(model, drafter, num_draft_tokens=3)
+        assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
+
+
+def test_weights_stored_refuses_an_architecture_the_native_model_lacks(tmp_path: Path) -> None:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from specdecode.kernels import cpu_kernels
+    from specdecode.weights.loading import resolve_weights
+
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    Gemma3ForCausalLM(config).save_pretrained(tmp_path)
+    assert resolve_weights("auto", str(tmp_path)) == "float"
+    if cpu_kernels() is not None:
+        with pytest.raises(SpecdecodeError, match="does not implement .* architecture; use --weights float"):
+            resolve_weights("stored", str(tmp_path))

@@ -90,6 +90,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
     results = summaries(measured.runs, facts)
     advised = advice(results, args.target)
     report(results, advised, measured, args)
+    if note := float_weights_note(models.target):
+        print(note)
     return 130 if measured.interrupted else 0
 
 
@@ -155,6 +157,28 @@ def extra_memory(name: str, models, runners) -> dict[str, int]:
     drafter = runners[name].decoder.engine.drafter
     return {"extra_weights_bytes": weights_bytes(name, models) - weights_bytes("none", models),
             "extra_cache_bytes_per_token": drafter.needs.cache_bytes_per_token}
+
+
+# Bytes a weight takes in the blocks --quantize writes (GGUF's: Q8_0 34 bytes per 32 weights, Q4_K 144 per 256)
+BLOCK_BYTES_PER_WEIGHT = {"q8_0": 34 / 32, "q4_k": 144 / 256}
+
+
+def float_weights_note(target) -> str | None:
+    """What the same model in blocks would read a token, where the target's linear layers run in float: `--quantize`
+    as an honest choice (fewer bytes a token, and the output is then the quantized model's)."""
+    from specdecode.weights.quantize import KernelLinear
+
+    layers = [m for m in target.modules() if isinstance(m, KernelLinear)]
+    if not layers:
+        return None
+    read = sum(m.weight_bytes for m in layers)
+    weights = sum(m.weight_bytes // m.weight.element_size() if m.tiles is None else m.tiles.numel() for m in layers)
+    first = layers[0]
+    dtype = str(first.tiles.dtype if first.tiles is not None else first.weight.dtype).removeprefix("torch.")
+    other = ", ".join(f"~{weights * b / 1e9:.2f} GB in {mode} (--quantize {mode}, ~{read / (weights * b):.1f}x the "
+                      "plain decoding speed where memory bounds it)" for mode, b in BLOCK_BYTES_PER_WEIGHT.items())
+    return (f"The target's linear layers read {read / 1e9:.2f} GB of {dtype} weights a token. The same model in "
+            f"blocks reads {other}; its output is then the quantized model's, not this one's.")
 
 
 def encoder(target, tokenizer, max_len: int):

@@ -165,7 +165,8 @@ def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, dev
         drafted, head, bridge = load_draft(other, plan, device, tokenizer, target, None, draft_vocab,
                                            draft_vocab_corpus)
         models.drafts[other] = Models(model, tokenizer, drafted, head, draft_bridge=bridge)
-    hf_dtype = torch.bfloat16 if plan.weights == "stored" else plan.dtype
+    # transformers runs a GGUF file de-quantized to bfloat16; a folder as stored in the activations' dtype
+    hf_dtype = torch.bfloat16 if plan.weights == "stored" and resolve_source(target).is_file() else plan.dtype
     if any(m in HF_METHODS for m in methods):
         models.hf_target = load_hf(target, hf_dtype, device)
     if "hf-assisted" in methods:

@@ -13,6 +13,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "y = x @ W^T, W bfloat16");
   m.def("linear_f16", &linear_f16, "y = x @ W^T, W float16");
   m.def("bf16_tiles_on", &bf16_tiles_on, "whether bfloat16 weights run on AMX tiles here (linear_bf16_tiles)");
+  m.def("bf16_tile_peak_flops", &bf16_tile_peak_flops, "FLOP/s of back-to-back bfloat16 tile products on every "
+        "thread: the peak a prompt's forward is measured against (0 where no tiles run)",
+        py::arg("products") = 4000000);
   m.def("linear_bf16_tiles", &linear_bf16_tiles, "y = x @ W^T + b, W bfloat16 in tile layout, x rounded to "
         "bfloat16, float32 sums; every row as a one-row call computes it");
   m.def("linear_quant", &linear_quant, "y = x @ W^T + b, W in GGUF-style blocks, x quantized per row, integer dots");

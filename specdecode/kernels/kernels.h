@@ -100,6 +100,7 @@ bool bf16_tiles_on();
 LinearWork linear_bf16_tiles_work(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& bias,
                                   QuantizedActs& acts);
 at::Tensor linear_bf16_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& bias);
+double bf16_tile_peak_flops(int64_t products);  // this machine's bfloat16 tile peak, FLOP/s (0: no tiles here)
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh,
                         const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
                         const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t S, int64_t G);

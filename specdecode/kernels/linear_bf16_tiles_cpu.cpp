@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <vector>
 
@@ -76,6 +77,41 @@ void unit_rows(const uint16_t* a, const uint16_t* w, int64_t K, int64_t u, int64
   if constexpr (PAIR) _tile_stored(1, c + 16, ldc * 4);
 }
 
+// Rows [m0, m0 + 32) of units u and u + 1, straight into y: four sums, each A and B tile loaded once for two
+// products (a prompt's chunk: the tiles' loads, not their products, bounded the two-tile loop). Each sum runs over
+// k in the same order as unit_rows: the same bits.
+void quad_rows(const uint16_t* a, const uint16_t* w, int64_t K, int64_t u, int64_t m0, float* y, int64_t N) {
+  const int64_t depth = K / 32, unit = K * 16;
+  const uint16_t* b0 = w + u * unit;
+  const uint16_t* b1 = b0 + unit;
+  const uint16_t* r0 = a + m0 * K;
+  const uint16_t* r1 = r0 + 16 * K;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t = 0; t < depth; ++t) {
+    const char* ahead = reinterpret_cast<const char*>(b0 + t * 512) + kAheadBytes;
+    for (int line = 0; line < 1024; line += 64) {
+      specdecode::prefetch_weights(ahead + line);
+      specdecode::prefetch_weights(ahead + unit * 2 + line);
+    }
+    _tile_loadd(4, r0 + t * 32, K * 2);
+    _tile_loadd(5, r1 + t * 32, K * 2);
+    _tile_loadd(6, b0 + t * 512, 64);
+    _tile_loadd(7, b1 + t * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  float* c = y + m0 * N + u * 16;
+  _tile_stored(0, c, N * 4);
+  _tile_stored(1, c + 16, N * 4);
+  _tile_stored(2, c + 16 * N, N * 4);
+  _tile_stored(3, c + 16 * N + 16, N * 4);
+}
+
 // Units [first, last) for all M rows of y [M, N]; a last partial block of rows goes through `spill`.
 void run_units_tiles(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K, int64_t N, float* y,
                      const float* bias, int64_t first, int64_t last) {
@@ -84,7 +120,10 @@ void run_units_tiles(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K,
   const int64_t whole = M / 16 * 16;
   for (int64_t u = first; u < last;) {
     const bool pair = u + 1 < last;
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    int64_t m0 = 0;
+    if (pair)
+      for (; m0 + 32 <= whole; m0 += 32) quad_rows(a, w, K, u, m0, y, N);
+    for (; m0 < M; m0 += 16) {
       float* c = m0 < whole ? y + m0 * N + u * 16 : spill;
       const int64_t ldc = m0 < whole ? N : 32;
       pair ? unit_rows<true>(a, w, K, u, m0, c, ldc) : unit_rows<false>(a, w, K, u, m0, c, ldc);
@@ -100,7 +139,36 @@ void run_units_tiles(const uint16_t* a, const uint16_t* w, int64_t M, int64_t K,
   }
   _tile_release();
 }
+
+// Floating-point operations a second of back-to-back tile products on tiles already loaded, every thread of the
+// team at once: this machine's bfloat16 peak, what a prompt's forward is measured against (profile_step.py).
+double tile_peak(int64_t products) {
+  const int64_t threads = at::get_num_threads();
+  const auto began = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    alignas(64) static const uint16_t zeros[16 * 32] = {};
+    configure();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, zeros, 64);
+    _tile_loadd(5, zeros, 64);
+    _tile_loadd(6, zeros, 64);
+    _tile_loadd(7, zeros, 64);
+    for (int64_t i = 0; i < products; i += 4) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_release();
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  return static_cast<double>(threads) * static_cast<double>(products) * 16 * 16 * 32 * 2 / seconds;
+}
 #else
+double tile_peak(int64_t) { return 0.0; }
 constexpr bool kBuilt = false;
 void round_rows(const float*, int64_t, int64_t, int64_t, uint16_t*) {}
 void run_units_tiles(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, const float*, int64_t,
@@ -110,6 +178,8 @@ void run_units_tiles(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t
 }  // namespace
 
 bool bf16_tiles_on() { return kBuilt && amx_on(); }
+
+double bf16_tile_peak_flops(int64_t products) { return bf16_tiles_on() ? tile_peak(products) : 0.0; }
 
 LinearWork linear_bf16_tiles_work(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& bias,
                                   QuantizedActs& acts) {

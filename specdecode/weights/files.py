@@ -62,8 +62,9 @@ class Checkpoint:
     tokenizer: PreTrainedTokenizerBase | None  # None only when the source ships no tokenizer files
 
 
-def load_checkpoint(source: str, dtype: torch.dtype, cache: Path | None = None) -> Checkpoint:
-    """Resolve `source`, convert it if it is a GGUF (once, cached), and read config, weights and tokenizer."""
+def load_checkpoint(source: str, dtype: torch.dtype, cache: Path | None = None, keep_16bit: bool = False) -> Checkpoint:
+    """Resolve `source`, convert it if it is a GGUF (once, cached), and read config, weights and tokenizer.
+    `keep_16bit`: an HF folder's bfloat16 and float16 matrices keep their dtype (the rest goes to `dtype`)."""
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)
         raise SpecdecodeError(f"unsupported dtype {dtype}; use one of {names}")
@@ -79,7 +80,7 @@ def load_checkpoint(source: str, dtype: torch.dtype, cache: Path | None = None) 
         path=path,
         hf_dir=folder,
         config=config,
-        state_dict=read_state_dict(folder, config, dtype),
+        state_dict=read_state_dict(folder, config, dtype, keep_16bit and not path.is_file()),
         tokenizer=read_tokenizer(folder),
     )
 
@@ -218,15 +219,19 @@ def read_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def read_state_dict(folder: Path, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Tensor]:
+def read_state_dict(folder: Path, config: dict[str, Any], dtype: torch.dtype,
+                    keep_16bit: bool = False) -> dict[str, Tensor]:
     state: dict[str, Tensor] = {}
     for file in _safetensors_files(folder):
         state.update(load_file(file))
     # Tied checkpoints sometimes store a copy of the embedding as lm_head; HF ignores it, and so do we.
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
+    def kept(tensor: Tensor) -> bool:
+        return keep_16bit and tensor.dim() == 2 and tensor.dtype in (torch.bfloat16, torch.float16)
+
     return {
-        name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+        name: tensor.to(dtype) if tensor.is_floating_point() and not kept(tensor) else tensor
         for name, tensor in state.items()
         if not name.endswith("rotary_emb.inv_freq")  # a buffer old checkpoints saved; recomputed from config
     }

@@ -7,6 +7,7 @@ target, its tokenizer, a draft model ready to draft), for the API and the benchm
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,30 +35,51 @@ STORED_DRAFT_BLOCKS = "q4_0"
 
 
 def resolve_weights(form: str, source: str, device: str = "cpu", quantize: str = "none") -> str:
-    """'stored': a GGUF file's blocks run as they are on the integer kernel; 'float': de-quantized to --dtype.
-    'auto' = stored for a GGUF source on a CPU where the kernel runs (unless --quantize asks for other blocks)."""
+    """'stored': the checkpoint's weights as they are, on specdecode's CPU kernels: a GGUF file's blocks on the
+    integer kernels, its or an HF folder's 16-bit matrices on the float kernels, activations float32; 'float': the
+    weights in --dtype. 'auto' = stored wherever the kernels run the model natively (unless --quantize asks for
+    other blocks)."""
     if form not in WEIGHT_FORMS:
         raise SpecdecodeError(f"unknown weights form '{form}': choose one of {', '.join(WEIGHT_FORMS)}")
-    is_gguf = resolve_source(source).is_file()
+    path = resolve_source(source)
     if form == "stored":
         if resolve_mode(quantize) != "none":
-            raise SpecdecodeError("--weights stored runs the file's own blocks; --quantize needs --weights float")
-        if not is_gguf:
-            raise SpecdecodeError(f"--weights stored needs a GGUF file; {source} is a float checkpoint")
+            raise SpecdecodeError("--weights stored runs the checkpoint's own weights; --quantize needs --weights "
+                                  "float")
         if device != "cpu" or cpu_kernels() is None:
             raise SpecdecodeError("--weights stored runs on specdecode's CPU kernel (x86-64 with AVX2 and a C++ "
                                   "compiler); use --weights float here")
+        if not path.is_file() and not native_folder(path):
+            raise SpecdecodeError(f"--weights stored runs the native model, which does not implement {source}'s "
+                                  "architecture; use --weights float")
         return form
     if form == "auto":
-        runs = is_gguf and device == "cpu" and resolve_mode(quantize) == "none" and cpu_kernels() is not None
-        return "stored" if runs and native_gguf(resolve_source(source)) else "float"
+        runs = device == "cpu" and resolve_mode(quantize) == "none" and cpu_kernels() is not None
+        native = native_gguf(path) if path.is_file() else native_folder(path)
+        return "stored" if runs and native else "float"
     return form
+
+
+def resolve_draft_weights(source: str, device: str) -> str:
+    """A draft's form: a GGUF file's blocks as stored where the kernels run it (its wider layers narrowed); a float
+    checkpoint's weights written in blocks (resolve_draft_quantize): a draft's precision changes only its guesses,
+    and fewer bytes make each guess cheaper."""
+    return resolve_weights("auto", source, device) if resolve_source(source).is_file() else "float"
 
 
 def native_gguf(gguf) -> bool:
     """Whether the native model runs this GGUF file's architecture (others go through transformers, in float)."""
     architecture = gguf_architecture(gguf)
     return architecture is None or architecture in NATIVE_MODEL_TYPES
+
+
+def native_folder(folder) -> bool:
+    """Whether the native model runs an HF folder's architecture (read from its config.json alone)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return runs_natively(config)
 
 
 def resolve_dtype(name: str, device: str = "cpu", weights: str = "float") -> torch.dtype:
@@ -123,7 +145,7 @@ def plan_load(target: str, draft: str | None, dtype: str = "auto", device: str =
     float weights in --dtype. A GGUF draft runs as stored whenever the kernel runs (its precision changes only
     the guesses, never the output)."""
     target_form = resolve_weights(weights, target, device, quantize)
-    draft_form = resolve_weights("auto", draft, device) if draft else "float"
+    draft_form = resolve_draft_weights(draft, device) if draft else "float"
     activations = resolve_dtype(dtype, device, target_form)
     return LoadPlan(activations, target_form, resolve_mode(quantize), draft_form,
                     resolve_draft_quantize(draft_quantize, device, draft_form),
@@ -135,7 +157,7 @@ def resolve_kv_dtype(name: str, device: str, activations: torch.dtype, weights: 
     as they are stored: half the bytes attention reads, and on CPUs with AMX its products in tiles (a verify
     forward's extra rows and a prompt's chunks at ~2x the speed over 1,000-4,000 cached tokens); speculative output
     stays identical to plain decoding with the same cache dtype. 'auto' is bfloat16 where the native CPU kernels
-    run under float32 activations (GGUF files as stored), else the activations' dtype."""
+    run under float32 activations (weights as stored), else the activations' dtype."""
     if name == "auto":
         stored = weights == "stored" and device == "cpu" and activations == torch.float32
         return torch.bfloat16 if stored and cpu_kernels() is not None else None
@@ -157,8 +179,12 @@ def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: s
     written again in them (a draft's, blocks.narrowed); else `quantize` = none, q8_0, q4_0 or q4_k blocks written
     from the float weights.
     `tokenizer_like`: a tokenizer already loaded, returned as this model's where its files are the same."""
-    if weights == "stored":
+    if weights == "stored" and resolve_source(source).is_file():
         return _stored(resolve_source(source), dtype, tokenizer_like, quantize)
+    if weights == "stored":  # an HF folder's 16-bit matrices as they are, under float32 activations
+        ckpt = load_checkpoint(source, dtype, keep_16bit=True)
+        model = widen_embedding_(_native(ckpt.config, ckpt.state_dict, device))
+        return quantize_(model, "none"), ckpt.tokenizer
     ckpt = load_checkpoint(source, dtype)
     if runs_natively(ckpt.config):
         # Every linear layer on the CPU kernel (where it runs), so verify forwards are cheap and exact.
@@ -269,7 +295,7 @@ def load_draft(source: str, plan: LoadPlan, device: str, target_tokenizer: Any, 
     another's, else None)."""
     # Each draft's own form: a benchmark or `advise` loads several, and an architecture the native model lacks
     # runs in float through transformers even where another draft runs as stored.
-    weights = resolve_weights("auto", source, device) if plan.draft_weights == "stored" else plan.draft_weights
+    weights = resolve_draft_weights(source, device) if plan.draft_weights == "stored" else plan.draft_weights
     model, tokenizer = load_model(source, plan.dtype, device, plan.draft_quantize, weights, target_tokenizer)
     use_kv_dtype(model, plan.kv_dtype)
     # The draft's own tokenizer comes with it: loading it separately first cost a second at every start.

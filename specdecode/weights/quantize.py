@@ -75,6 +75,11 @@ class KernelLinear(nn.Module):
         kept = self._parameters.get("weight")
         return kept if kept is not None else bf16_rows(self.tiles)
 
+    @property
+    def weight_bytes(self) -> int:  # what a forward reads (without unpacking tiles to count them)
+        read = self.tiles if self.tiles is not None else self._parameters["weight"]
+        return read.numel() * read.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
         if self.tiles is not None:  # the bias is added by the kernel, one float add per output as below
