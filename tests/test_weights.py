@@ -336,9 +336,6 @@ def test_a_16_bit_gguf_runs_as_stored(tmp_path: Path, monkeypatch: pytest.Monkey
     """A BF16 or F16 GGUF file (as llama.cpp's quantizer writes one): its matrices kept in 16 bits on the float
     kernels (bfloat16 on tiles where the CPU has AMX), the embedding widened row by row; logits as the float model's
     with those weights, and speculation token-identical to plain decoding."""
-    from specdecode.config import SamplingParams
-    from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
-    from specdecode.engine.engine import Engine
     from specdecode.kernels import cpu_kernels
     from specdecode.models.masks import chain_mask
     from specdecode.weights.loading import load_model
@@ -362,19 +359,12 @@ def test_a_16_bit_gguf_runs_as_stored(tmp_path: Path, monkeypatch: pytest.Monkey
         expected = reference(ids).logits[0]
         logits, _ = model(ids, torch.arange(8)[None], model.new_cache(1, 16), chain_mask(0, 8))
     assert (logits[0] - expected).abs().max() < 0.02 * expected.abs().max()
-    prompt, params = [5, 9, 2, 7, 5, 9], SamplingParams(max_new_tokens=16)
-    plain = [t for s in Engine(model, NoDrafter()).generate(prompt, params) for t in s.tokens]
-    for drafter in (NgramDrafter(), DraftModelDrafter(model, vocab_size=len(TOKENS))):
-        engine = Engine(model, drafter, num_draft_tokens=3)
-        assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
+    _speculation_equals_plain_decoding(model)
 
 
 def test_a_bfloat16_hf_folder_runs_as_stored(tmp_path: Path) -> None:
     """An HF folder in bfloat16 (as models ship): `auto` keeps its matrices in bfloat16 under float32 activations,
     as a BF16 GGUF runs; a float32 draft folder is still written in blocks; speculation equals plain decoding."""
-    from specdecode.config import SamplingParams
-    from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
-    from specdecode.engine.engine import Engine
     from specdecode.kernels import cpu_kernels
     from specdecode.weights.loading import load_model, plan_load
     from specdecode.weights.quantize import HalfEmbedding, KernelLinear
@@ -392,11 +382,7 @@ def test_a_bfloat16_hf_folder_runs_as_stored(tmp_path: Path) -> None:
     linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
     assert len(linears) == 15 and all(m.weight.dtype == torch.bfloat16 for m in linears)
     assert isinstance(model.model.embed_tokens, HalfEmbedding) and model.dtype == torch.float32
-    prompt, params = [5, 9, 2, 7, 5, 9], SamplingParams(max_new_tokens=16)
-    plain = [t for s in Engine(model, NoDrafter()).generate(prompt, params) for t in s.tokens]
-    for drafter in (NgramDrafter(), DraftModelDrafter(model, vocab_size=len(TOKENS))):
-        engine = Engine(model, drafter, num_draft_tokens=3)
-        assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
+    _speculation_equals_plain_decoding(model)
 
 
 def test_weights_stored_refuses_an_architecture_the_native_model_lacks(tmp_path: Path) -> None:
@@ -412,3 +398,16 @@ def test_weights_stored_refuses_an_architecture_the_native_model_lacks(tmp_path:
     if cpu_kernels() is not None:
         with pytest.raises(SpecdecodeError, match="does not implement .* architecture; use --weights float"):
             resolve_weights("stored", str(tmp_path))
+
+
+def _speculation_equals_plain_decoding(model) -> None:
+    """Greedy output of prompt lookup and of the model drafting for itself, both plain decoding's."""
+    from specdecode.config import SamplingParams
+    from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+    from specdecode.engine.engine import Engine
+
+    prompt, params = [5, 9, 2, 7, 5, 9], SamplingParams(max_new_tokens=16)
+    plain = [t for s in Engine(model, NoDrafter()).generate(prompt, params) for t in s.tokens]
+    for drafter in (NgramDrafter(), DraftModelDrafter(model, vocab_size=len(TOKENS))):
+        engine = Engine(model, drafter, num_draft_tokens=3)
+        assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
