@@ -411,3 +411,9 @@ def _speculation_equals_plain_decoding(model) -> None:
     for drafter in (NgramDrafter(), DraftModelDrafter(model, vocab_size=len(TOKENS))):
         engine = Engine(model, drafter, num_draft_tokens=3)
         assert [t for s in engine.generate(prompt, params) for t in s.tokens] == plain
+
+
+def test_a_float32_hf_folder_keeps_following_dtype(qwen2_dir: Path) -> None:
+    from specdecode.weights.loading import resolve_weights
+
+    assert resolve_weights("auto", str(qwen2_dir)) == "float"  # saved in float32: --dtype decides, as before

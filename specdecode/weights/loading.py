@@ -55,7 +55,7 @@ def resolve_weights(form: str, source: str, device: str = "cpu", quantize: str =
         return form
     if form == "auto":
         runs = device == "cpu" and resolve_mode(quantize) == "none" and cpu_kernels() is not None
-        native = native_gguf(path) if path.is_file() else native_folder(path)
+        native = native_gguf(path) if path.is_file() else native_folder(path, sixteen_bits=True)
         return "stored" if runs and native else "float"
     return form
 
@@ -73,13 +73,16 @@ def native_gguf(gguf) -> bool:
     return architecture is None or architecture in NATIVE_MODEL_TYPES
 
 
-def native_folder(folder) -> bool:
-    """Whether the native model runs an HF folder's architecture (read from its config.json alone)."""
+def native_folder(folder, sixteen_bits: bool = False) -> bool:
+    """Whether the native model runs an HF folder's architecture (read from its config.json alone); with
+    `sixteen_bits`, only where its config says its weights are bfloat16 or float16 (a float32 checkpoint keeps
+    following --dtype under 'auto': as stored it would read twice the bytes)."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return runs_natively(config)
+    saved = config.get("dtype") or config.get("torch_dtype")
+    return runs_natively(config) and (not sixteen_bits or saved in ("bfloat16", "float16"))
 
 
 def resolve_dtype(name: str, device: str = "cpu", weights: str = "float") -> torch.dtype:
