@@ -187,6 +187,7 @@ def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: s
     if weights == "stored":  # an HF folder's 16-bit matrices as they are, under float32 activations
         ckpt = load_checkpoint(source, dtype, keep_16bit=True)
         model = widen_embedding_(_native(ckpt.config, ckpt.state_dict, device))
+        ckpt.state_dict.clear()  # the model holds the only references: each matrix freed once repacked into tiles
         return quantize_(model, "none"), ckpt.tokenizer
     ckpt = load_checkpoint(source, dtype)
     if runs_natively(ckpt.config):
@@ -226,6 +227,7 @@ def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None, narrow: str = 
             packed["lm_head.weight"] = packed["model.embed_tokens.weight"]
         else:
             model.lm_head.weight = model.model.embed_tokens.weight
+    ckpt.floats.clear()  # as for the blocks: a float matrix freed once repacked (peak memory: one copy, not two)
     widen_embedding_(model)
     apply_packed_(model, packed)
     if missing := [name for name, p in model.named_parameters() if p.is_meta]:

@@ -243,7 +243,10 @@ def quantize_(model: nn.Module, mode: str) -> nn.Module:
     if kernels is None:
         return model
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, HalfEmbedding))}
-    for parent in list(model.modules()):
+    # The parents only, not the layers: a list holding every nn.Linear would keep each float matrix alive beside
+    # its repacked copy until the end (twice the model's memory at load).
+    parents = [m for m in model.modules() if any(isinstance(c, nn.Linear) for c in m.children())]
+    for parent in parents:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
