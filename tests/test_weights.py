@@ -332,7 +332,8 @@ def test_the_kv_cache_dtype_is_checked_before_any_model_loads():
 
 
 @pytest.mark.parametrize("blocks", ["BF16", "F16"])
-def test_a_16_bit_gguf_runs_as_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocks: str) -> None:
+def test_a_16_bit_gguf_runs_as_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                      blocks: str) -> None:
     """A BF16 or F16 GGUF file (as llama.cpp's quantizer writes one): its matrices kept in 16 bits on the float
     kernels (bfloat16 on tiles where the CPU has AMX), the embedding widened row by row; logits as the float model's
     with those weights, and speculation token-identical to plain decoding."""
@@ -346,8 +347,11 @@ def test_a_16_bit_gguf_runs_as_stored(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)
     path, reference = tmp_path / f"{blocks}.gguf", _qwen2()
     _write_gguf(path, reference, blocks=blocks)
-    model, _ = load_model(str(path), torch.float32, weights="stored")
+    with caplog.at_level("WARNING"):
+        model, _ = load_model(str(path), torch.float32, weights="stored")
     half = torch.bfloat16 if blocks == "BF16" else torch.float16
+    said = "has float16 matrices: they run on the vector units" in caplog.text
+    assert said == (blocks == "F16" and cpu_kernels().bf16_tiles_on())
     linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
     assert len(linears) == 15 and all(m.weight.dtype == half for m in linears)
     assert isinstance(model.model.embed_tokens, HalfEmbedding) and model.dtype == torch.float32

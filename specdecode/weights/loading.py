@@ -8,6 +8,7 @@ target, its tokenizer, a draft model ready to draft), for the API and the benchm
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +22,10 @@ from specdecode.models.kv_cache import KV_DTYPES
 from specdecode.models.model import Transformer
 from specdecode.text.token_bridge import TokenBridge
 from specdecode.weights.files import gguf_architecture, load_checkpoint, load_tokenizer, resolve_source  # noqa: F401  (re-exported)
-from specdecode.weights.quantize import apply_packed_, quantize_, resolve_mode, widen_embedding_
+from specdecode.weights.quantize import KernelLinear, apply_packed_, quantize_, resolve_mode, widen_embedding_
 from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE, cut_draft_head
 
+log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 WEIGHT_FORMS = ("auto", "stored", "float")
@@ -188,7 +190,7 @@ def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: s
         ckpt = load_checkpoint(source, dtype, keep_16bit=True)
         model = widen_embedding_(_native(ckpt.config, ckpt.state_dict, device))
         ckpt.state_dict.clear()  # the model holds the only references: each matrix freed once repacked into tiles
-        return quantize_(model, "none"), ckpt.tokenizer
+        return say_float16(quantize_(model, "none"), source), ckpt.tokenizer
     ckpt = load_checkpoint(source, dtype)
     if runs_natively(ckpt.config):
         # Every linear layer on the CPU kernel (where it runs), so verify forwards are cheap and exact.
@@ -232,7 +234,20 @@ def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None, narrow: str = 
     apply_packed_(model, packed)
     if missing := [name for name, p in model.named_parameters() if p.is_meta]:
         raise SpecdecodeError(f"{gguf.name} lacks {len(missing)} weights (first: {missing[0]}): the file is incomplete")
-    return model.eval(), ckpt.tokenizer
+    return say_float16(model.eval(), gguf.name), ckpt.tokenizer
+
+
+def say_float16(model: torch.nn.Module, source: str) -> torch.nn.Module:
+    """One line where float16 matrices run on the vector units while this CPU has bfloat16 tiles: converting them
+    is the user's choice (another model), not ours."""
+    kernels = cpu_kernels()
+    halves = any(isinstance(m, KernelLinear) and m.tiles is None and m.weight.dtype == torch.float16
+                 for m in model.modules())
+    if halves and kernels is not None and kernels.bf16_tiles_on():
+        log.warning("specdecode: %s has float16 matrices: they run on the vector units (this CPU has no float16 "
+                    "tiles); --weights float --dtype bfloat16 runs them rounded to bfloat16 on its AMX tiles, a "
+                    "model of its own", source)
+    return model
 
 
 def as_run(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
