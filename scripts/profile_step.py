@@ -78,10 +78,8 @@ def linear_bytes(module: torch.nn.Module) -> int:
 
 def linear_macs(module: torch.nn.Module) -> int:
     """Multiply-adds a linear layer does per row: its outputs times its inputs."""
-    if hasattr(module, "out_features"):
+    if hasattr(module, "out_features"):  # the kernels' layers say their shape (a weight may be in blocks or tiles)
         return int(module.out_features * module.in_features)
-    if getattr(module, "tiles", None) is not None:
-        return module.tiles.numel()
     weight = getattr(module, "weight", None)
     return 0 if weight is None else weight.numel()
 

@@ -172,8 +172,8 @@ def float_weights_note(target) -> str | None:
     if not layers:
         return None
     read = sum(m.weight_bytes for m in layers)
-    weights = sum(m.weight_bytes // m.weight.element_size() if m.tiles is None else m.tiles.numel() for m in layers)
-    first = layers[0]
+    weights = sum(m.out_features * m.in_features for m in layers)
+    first = layers[0]  # its tiles' dtype where it has them: `weight` would unpack them
     dtype = str(first.tiles.dtype if first.tiles is not None else first.weight.dtype).removeprefix("torch.")
     other = ", ".join(f"~{weights * b / 1e9:.2f} GB in {mode} (--quantize {mode}, ~{read / (weights * b):.1f}x the "
                       "plain decoding speed where memory bounds it)" for mode, b in BLOCK_BYTES_PER_WEIGHT.items())

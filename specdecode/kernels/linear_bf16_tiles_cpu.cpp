@@ -51,6 +51,12 @@ void round_rows(const float* x, int64_t M, int64_t Mp, int64_t K, uint16_t* out)
   std::memset(out + M * K, 0, static_cast<size_t>((Mp - M) * K) * sizeof(uint16_t));
 }
 
+// Tile t of a unit's weights at b, kAheadBytes on: asked for before the products reach it.
+inline void ask_ahead(const uint16_t* b, int64_t t) {
+  const char* ahead = reinterpret_cast<const char*>(b + t * 512) + kAheadBytes;
+  for (int line = 0; line < 1024; line += 64) specdecode::prefetch_weights(ahead + line);
+}
+
 // Rows [m0, m0 + 16) of units u and u + 1 (PAIR) or u alone, into `c` (row stride ldc floats, 16 per unit).
 template <bool PAIR>
 void unit_rows(const uint16_t* a, const uint16_t* w, int64_t K, int64_t u, int64_t m0, float* c, int64_t ldc) {
@@ -61,10 +67,8 @@ void unit_rows(const uint16_t* a, const uint16_t* w, int64_t K, int64_t u, int64
   _tile_zero(0);
   if constexpr (PAIR) _tile_zero(1);
   for (int64_t t = 0; t < depth; ++t) {
-    const char* ahead = reinterpret_cast<const char*>(b0 + t * 512) + kAheadBytes;
-    for (int line = 0; line < 1024; line += 64) specdecode::prefetch_weights(ahead + line);
-    if constexpr (PAIR)
-      for (int line = 0; line < 1024; line += 64) specdecode::prefetch_weights(ahead + unit * 2 + line);
+    ask_ahead(b0, t);
+    if constexpr (PAIR) ask_ahead(b1, t);
     _tile_loadd(2, rows + t * 32, K * 2);
     _tile_loadd(3, b0 + t * 512, 64);
     _tile_dpbf16ps(0, 2, 3);
@@ -91,11 +95,8 @@ void quad_rows(const uint16_t* a, const uint16_t* w, int64_t K, int64_t u, int64
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t t = 0; t < depth; ++t) {
-    const char* ahead = reinterpret_cast<const char*>(b0 + t * 512) + kAheadBytes;
-    for (int line = 0; line < 1024; line += 64) {
-      specdecode::prefetch_weights(ahead + line);
-      specdecode::prefetch_weights(ahead + unit * 2 + line);
-    }
+    ask_ahead(b0, t);
+    ask_ahead(b1, t);
     _tile_loadd(4, r0 + t * 32, K * 2);
     _tile_loadd(5, r1 + t * 32, K * 2);
     _tile_loadd(6, b0 + t * 512, 64);

@@ -56,7 +56,7 @@ class KernelLinear(nn.Module):
         super().__init__()
         self.bias = linear.bias
         weight = linear.weight
-        n, k = weight.shape
+        n, k = self.out_features, self.in_features = weight.shape
         self.tiles = None
         if weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and kernels.bf16_tiles_on():
             self.tiles = bf16_tiles(weight)
