@@ -69,7 +69,7 @@ class Open:
 
 async def one_request(http: httpx.AsyncClient, body: dict, streams: Open) -> dict:
     start = time.perf_counter()
-    first, tokens, text, usage = None, 0, [], {}
+    first, tokens, text, usage, last, gap = None, 0, [], {}, None, 0.0
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -87,7 +87,10 @@ async def one_request(http: httpx.AsyncClient, body: dict, streams: Open) -> dic
                         usage = chunk["usage"]
                         tokens = usage["completion_tokens"]
                     elif chunk["choices"] and (piece := chunk["choices"][0]["delta"].get("content")):
-                        first = first or time.perf_counter()
+                        now = time.perf_counter()
+                        first = first or now
+                        gap = max(gap, now - (last or now))  # the longest wait between two pieces of the stream
+                        last = now
                         text.append(piece)
             finally:
                 streams.now -= 1
@@ -96,7 +99,7 @@ async def one_request(http: httpx.AsyncClient, body: dict, streams: Open) -> dic
     end = time.perf_counter()
     ttft = (first or end) - start
     return {"status": 200, "e2e_s": end - start, "ttft_s": ttft, "tokens": tokens, "text": "".join(text),
-            "itl_s": (end - start - ttft) / max(tokens - 1, 1), "prompt": body["messages"][0]["content"],
+            "itl_s": (end - start - ttft) / max(tokens - 1, 1), "gap_s": gap, "prompt": body["messages"][0]["content"],
             "accepted_length": usage.get("speculative", {}).get("mean_accepted_length", 0.0)}
 
 
@@ -147,6 +150,7 @@ async def level(url: str, model: str, clients: int, requests: int, max_tokens: i
         "ttft_p50_s": pct("ttft_s", 50), "ttft_p95_s": pct("ttft_s", 95), "ttft_p99_s": pct("ttft_s", 99),
         "itl_p50_s": pct("itl_s", 50), "itl_p95_s": pct("itl_s", 95), "itl_p99_s": pct("itl_s", 99),
         "e2e_p50_s": pct("e2e_s", 50), "e2e_p95_s": pct("e2e_s", 95),
+        "longest_gap_p50_s": pct("gap_s", 50), "longest_gap_max_s": pct("gap_s", 100),
         "mean_accepted_length": float(np.mean([r["accepted_length"] for r in ok])) if ok else 0.0,
         "_answers": [(r["prompt"], r["text"]) for r in ok],
     }

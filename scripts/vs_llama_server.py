@@ -2,6 +2,8 @@
 
     python scripts/vs_llama_server.py                # none, hybrid; llama-server plain and with its draft model
     python scripts/vs_llama_server.py --methods hybrid --clients 1,4,8,16 --json bench-results/vs-llama-server.json
+    python scripts/vs_llama_server.py --load-prompts long/long-4k.jsonl --no-alone --llama-draft '' \
+        --clients 1,4,8 --requests-per-client 1 --methods hybrid       # long prompts under load
 
 `llama-server` comes from PATH, else from a build of the llama.cpp that the `llamacpp` extra (llama-cpp-python)
 vendors: the source package of the installed version is downloaded from PyPI once, only the server target is
@@ -129,15 +131,17 @@ def gguf_file(name: str) -> Path:
     return path if path.is_file() else hub.pull(name)
 
 
-def start(system: str, gguf: Path, target: str, slots: int, port: int, draft: Path | None = None) -> subprocess.Popen:
+def start(system: str, gguf: Path, target: str, slots: int, port: int, draft: Path | None = None,
+          context: int = 4096) -> subprocess.Popen:
+    """`context`: tokens one request may hold (llama-server splits -c among its slots)."""
     if system.startswith("llama-server"):
         cmd = [str(llama_server()), "-m", str(gguf), "-t", "2", "-tb", "2", "-np", str(slots), "-c",
-               str(4096 * slots), "--host", "127.0.0.1", "--port", str(port), "--log-disable"]
+               str(context * slots), "--host", "127.0.0.1", "--port", str(port), "--log-disable"]
         if system == LLAMA_DRAFT:  # their draft model with their defaults for it, on the same 2 threads
             cmd += ["-md", str(draft), "-td", "2", "-tbd", "2"]
     else:
         cmd = [sys.executable, "-m", "specdecode", "serve", "--target", target, "--method", system, "--port",
-               str(port), "--log-level", "warning"]
+               str(port), "--log-level", "warning", "--max-len", str(max(context, 8192))]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_up(proc, f"http://127.0.0.1:{port}")
     return proc
@@ -178,6 +182,13 @@ def main() -> int:
                    help="also run llama-server with this draft model (-md); '' skips it")
     p.add_argument("--clients", default="1,4,8", help="concurrency levels of the load part ('' skips it)")
     p.add_argument("--requests", type=int, default=16, help="requests per load level")
+    p.add_argument("--requests-per-client", type=int, default=None,
+                   help="requests per load level = this x its clients (instead of --requests)")
+    p.add_argument("--load-prompts", default=None,
+                   help="a JSONL file whose rows' \"prompt\" are the load part's user messages (e.g. scripts/"
+                        "long_prompts.py's long-4k.jsonl), instead of the built-in mixed kinds")
+    p.add_argument("--no-alone", dest="alone", action="store_false",
+                   help="skip the one-at-a-time part (whole answers per kind)")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens per answer, one at a time")
     p.add_argument("--load-max-tokens", type=int, default=64, help="tokens per answer under load")
     p.add_argument("--no-in-process", dest="in_process", action="store_false",
@@ -190,21 +201,30 @@ def main() -> int:
     levels = [int(c) for c in args.clients.split(",") if c]
     lt = load_test()
     lt.PROMPTS[:] = list(PROMPTS.values())
+    context = 4096
+    if args.load_prompts:
+        rows = [json.loads(line) for line in Path(args.load_prompts).read_text().splitlines() if line.strip()]
+        lt.PROMPTS[:] = [row["prompt"] for row in rows]
+        # each request's prompt (chat template included, where the file says) and its answer, with room to spare
+        longest = max(row.get("context_tokens", len(row["prompt"]) // 2) for row in rows)
+        context = -(-(longest + max(args.load_max_tokens, args.max_tokens) + 64) // 256) * 256
     systems = ["llama-server", *([LLAMA_DRAFT] if draft else []), *args.methods.split(",")]
     results: dict[str, dict] = {}
     for system in systems:
         # llama-server: one slot for the first part, then as many as the largest level; ours batches up to 16.
         theirs = system.startswith("llama-server")
         runs = [("alone", 1), ("load", max(levels))] if theirs and levels else [("both", 16)]
+        if not args.alone:
+            runs = [("load", max(levels) if theirs else 16)]
         beside = None
-        if not theirs and args.in_process:
+        if not theirs and args.in_process and args.alone:
             from specdecode import SpecDecoder
             beside = SpecDecoder.load(args.target, method=system)
         result = results[system] = {}
         for part, slots in runs:
             port = lt.free_port()
             print(f"vs_llama_server: {system}, {part}", file=sys.stderr)
-            proc = start(system, gguf, args.target, slots, port, draft)
+            proc = start(system, gguf, args.target, slots, port, draft, context)
             url = f"http://127.0.0.1:{port}"
             try:
                 model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -215,7 +235,8 @@ def main() -> int:
                 if part in ("load", "both") and levels:
                     # A connection per request: llama-server drops idle keep-alive connections, which a client
                     # reusing them sees as errors that are not the server's speed.
-                    result["load"] = [{k: v for k, v in asyncio.run(lt.level(url, model, c, args.requests,
+                    per_level = lambda c: c * args.requests_per_client if args.requests_per_client else args.requests  # noqa: E731
+                    result["load"] = [{k: v for k, v in asyncio.run(lt.level(url, model, c, per_level(c),
                                                                              args.load_max_tokens, 0.0,
                                                                              CLOSE)).items()
                                        if not k.startswith("_")} for c in levels]
@@ -234,12 +255,17 @@ def report(results: dict[str, dict], levels: list[int]) -> str:
     kinds = list(PROMPTS)
     lines = ["One request at a time, whole answers, tokens/s end to end:", "",
              "| system | " + " | ".join(kinds) + " | all |", "|---|" + "---:|" * (len(kinds) + 1)]
+    if not any("alone" in r for r in results.values()):
+        lines = []
     for system, r in results.items():
+        if "alone" not in r:
+            continue
         alone = r["alone"]
         total = sum(a["tokens"] for a in alone.values()) / sum(a["seconds"] for a in alone.values())
         lines.append(f"| {system} | " + " | ".join(f"{alone[k]['tokens'] / alone[k]['seconds']:.1f}" for k in kinds)
                      + f" | {total:.1f} |")
-    ours = [s for s in results if not s.startswith("llama-server") and not s.endswith("in process")]
+    ours = [s for s in results if not s.startswith("llama-server") and not s.endswith("in process")
+            and "alone" in results[s]]
     for system in ours:
         local = results.get(f"{system}, in process")
         if local:
@@ -253,13 +279,14 @@ def report(results: dict[str, dict], levels: list[int]) -> str:
         lines.append(f"\nGreedy answers identical across {', '.join(ours)}: {'yes' if same else 'NO'}")
     if levels:
         lines += ["", "Streaming load: aggregate tokens/s (TTFT p50 / p99 s; inter-token p50 / p99 ms, each request's mean "
-                      "gap; end to end p50 s):", "",
+                      "gap; end to end p50 s; a stream's longest gap, p50 / max s):", "",
                   "| system | " + " | ".join(f"{c} clients" for c in levels) + " |", "|---|" + "---:|" * len(levels)]
         for system, r in results.items():
             if "load" not in r:
                 continue
             cells = [f"{row['output_tokens_per_s']:.1f} ({row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f}; "
-                     f"{row['itl_p50_s'] * 1000:.0f} / {row['itl_p99_s'] * 1000:.0f}; {row['e2e_p50_s']:.1f}){' ' + str(row['errors']) + ' errors' if row['errors'] else ''}"
+                     f"{row['itl_p50_s'] * 1000:.0f} / {row['itl_p99_s'] * 1000:.0f}; {row['e2e_p50_s']:.1f}; "
+                     f"{row['longest_gap_p50_s']:.2f} / {row['longest_gap_max_s']:.2f}){' ' + str(row['errors']) + ' errors' if row['errors'] else ''}"
                      for row in r["load"]]
             lines.append(f"| {system} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -37,4 +37,23 @@ def costs_as_given(monkeypatch):
     """Toy forwards take microseconds: the curve a test gives is the cost model under test, not lowered to them."""
     from specdecode.planner.planner import Planner
 
-    monkeypatch.setattr(Planner, "observe", lambda self, rows, seconds: None)
+    monkeypatch.setattr(Planner, "observe", lambda self, rows, seconds, prompt_rows=0: None)
+
+
+@pytest.fixture
+def fixed_prefill(monkeypatch):
+    """-> chunks(busy=None, idle=None): engines made after the call feed prompts in these fixed chunks (rows a step
+    while others decode, and while nobody does), not in the planner's timed sizes (planner/prefill.py)."""
+    from specdecode.planner import prefill
+
+    def chunks(busy: int | None = None, idle: int | None = None) -> None:
+        monkeypatch.setattr(prefill, "PREFILL_STEP_S", 0.0)
+        monkeypatch.setattr(prefill, "PREFILL_WAIT_SHARE", 0.0)
+        if busy is not None:
+            monkeypatch.setattr(prefill, "PREFILL_ROWS_BUSY", busy)
+        if idle is not None:
+            monkeypatch.setattr(prefill, "PREFILL_ROWS_IDLE", idle)
+            if busy is None:
+                monkeypatch.setattr(prefill, "PREFILL_ROWS_BUSY", min(idle, prefill.PREFILL_ROWS_BUSY))
+
+    return chunks

@@ -9,7 +9,6 @@ import torch
 from tiny import tiny_native
 from toy import BigramModel, Cycling, assert_exact_distribution, exact_sequence_probs, random_chain
 
-import specdecode.engine.engine as engine_module
 from specdecode.config import SamplingParams
 from specdecode.drafters import DraftModelDrafter, HybridDrafter, NgramDrafter, NoDrafter
 from specdecode.drafters.base import Draft
@@ -71,11 +70,11 @@ PROMPTS = [[1, 2, 3, 4, 1, 2, 3], list(range(5, 45)), [7, 7, 7, 7], [3, 1, 4, 1,
 
 @needs_kernels
 @pytest.mark.parametrize(("auto", "kv_dtype"), [(False, None), (True, None), (True, torch.bfloat16)])
-def test_greedy_output_is_the_same_batched_or_alone(target, draft, monkeypatch, auto, kv_dtype):
+def test_greedy_output_is_the_same_batched_or_alone(target, draft, monkeypatch, fixed_prefill, auto, kv_dtype):
     """Four requests with different prompt lengths (one prefilled in chunks while others decode), drafters,
     draft sizes and sampling settings, arriving at different steps: each greedy one equals itself run alone,
     and equals the one-request engine; with the activations' and with a bfloat16 KV cache."""
-    monkeypatch.setattr(engine_module, "PREFILL_ROWS_BUSY", 8)
+    fixed_prefill(busy=8)
     monkeypatch.setattr(target, "kv_dtype", kv_dtype)
     assert target.new_cache(1, 4).k.dtype == (kv_dtype or torch.float32)
     costs = CPU_LIKE if auto else None
@@ -108,8 +107,8 @@ def test_hybrid_drafters_in_a_batch_give_the_plain_output(target, draft, tree):
 
 
 @needs_kernels
-def test_prefill_in_chunks_leaves_the_same_cache(target, monkeypatch):
-    monkeypatch.setattr(engine_module, "PREFILL_ROWS_IDLE", 7)
+def test_prefill_in_chunks_leaves_the_same_cache(target, fixed_prefill):
+    fixed_prefill(idle=7)
     engine = Engine(target, NoDrafter(), 0)
     seq = engine.add(PROMPTS[1], SamplingParams(max_new_tokens=2))
     while seq.prefilling:
@@ -263,10 +262,10 @@ def test_a_malformed_draft_fails_its_own_request_only(target, bad):
 
 
 @needs_kernels
-def test_greedy_over_a_bfloat16_cache_past_its_tiles(target, draft, monkeypatch):
+def test_greedy_over_a_bfloat16_cache_past_its_tiles(target, draft, monkeypatch, fixed_prefill):
     """Prompts of 70-150 tokens with a bfloat16 cache (head dim 64: past 64 slots attention runs on AMX tiles
     where the CPU has them): chains and trees, batched and prefilled in chunks, give plain decoding's tokens."""
-    monkeypatch.setattr(engine_module, "PREFILL_ROWS_BUSY", 24)
+    fixed_prefill(busy=24)
     monkeypatch.setattr(target, "kv_dtype", torch.bfloat16)
     prompts = [[(7 * i + 3) % 64 for i in range(n)] for n in (70, 97, 150)]
     make = cycle(lambda: DraftModelDrafter(draft, vocab_size=64, width=TREE_WIDTH, expand=TREE_EXPAND),

@@ -315,16 +315,13 @@ def test_hybrid_eagle_copies_and_drafts_with_the_head_and_matches_plain(tiny_hea
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
-def test_eagle_in_a_batch_with_chunked_prefill_matches_plain(tiny_heads, monkeypatch: pytest.MonkeyPatch,
-                                                             hybrid: bool) -> None:
+def test_eagle_in_a_batch_with_chunked_prefill_matches_plain(tiny_heads, fixed_prefill, hybrid: bool) -> None:
     """The server's engine: requests joining at different steps, prompts fed in chunks (the head must get every
     position's features, across chunks and steps it sat out)."""
     from test_batch import run_batch
 
-    from specdecode.engine import engine as engine_module
     target, head, _, _ = tiny_heads
-    monkeypatch.setattr(engine_module, "PREFILL_ROWS_IDLE", 7)
-    monkeypatch.setattr(engine_module, "PREFILL_ROWS_BUSY", 5)
+    fixed_prefill(busy=5, idle=7)
     prompts = [[1, 2, 3, 4, 1, 2, 3], list(range(5, 45)), [7, 7, 7, 7]]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     eagle = EagleDrafter(head, target, (0, 1), width=2)

@@ -45,7 +45,7 @@ from specdecode.models.prompt_cache import PromptCache
 from specdecode.models.spare_cache import SpareCache
 from specdecode.planner.budget import CostCurve
 from specdecode.planner.planner import Planner
-from specdecode.planner.tuning import MAX_AUTO_NODES, PREFILL_ROWS_BUSY, PREFILL_ROWS_ECHO, PREFILL_ROWS_IDLE
+from specdecode.planner.tuning import MAX_AUTO_NODES, PREFILL_ROWS_ECHO
 
 __all__ = ["Engine", "Sequence", "Step", "StepInfo", "check_prompt", "kv_budget_tokens"]
 
@@ -252,7 +252,8 @@ class Engine:
         decoding = [s for s in self.running if not s.prefilling]
         parts: list[Part] = []
         owners: list[Sequence] = []
-        room = PREFILL_ROWS_BUSY if decoding else PREFILL_ROWS_IDLE
+        waiting = [s for s in self.running if s.prefilling and s.leader is None]
+        room = 0 if not waiting else self.planner.prefill_rows(len(decoding), started - min(s.started for s in waiting))
         for seq in self.running:
             if seq.prefilling and room > 0 and seq.leader is None:
                 n = min(room, seq.prompt_left, PREFILL_ROWS_ECHO if seq.prompt_logprobs is not None else room)
@@ -285,7 +286,7 @@ class Engine:
         rows = sum(p.count for p in parts)
         forwarded = time.perf_counter()
         if self.times_forwards:
-            self.planner.observe(rows, forwarded - began)
+            self.planner.observe(rows, forwarded - began, prefill_rows)
         for seq, part, (logits, hidden) in zip(owners, parts, outputs):
             try:
                 if seq.prefilling:

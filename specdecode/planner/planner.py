@@ -27,6 +27,7 @@ from specdecode.errors import SpecdecodeError
 from specdecode.planner.alone import AloneRecord
 from specdecode.planner.budget import CostCurve, InUseCurve
 from specdecode.planner.estimates import RunningMean
+from specdecode.planner.prefill import PrefillSizer
 from specdecode.planner.prices import FIXED, StepPlan, best_count, catch_up_forward_s
 from specdecode.planner.tuning import (
     CATCH_UP_STEPS,
@@ -103,6 +104,7 @@ class Planner:
         self.alone_factor = 1.0  # a batched drafter's share of the last draft forwards -> its time alone
         self.alone_key: int | None = None  # the request that decodes alone this step (None: several, or none)
         self.forward_s: float | None = None  # this step's target forward, where forwards are timed
+        self.prefill = PrefillSizer()  # prompt rows a step, while others decode
 
     # --- a request's size -----------------------------------------------------------------------------------
 
@@ -196,9 +198,16 @@ class Planner:
             counts[i] += 1
         return {r.key: count for r, count in zip(proposed, counts)}
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A target forward over `rows` rows took `seconds` (CPU only: CUDA runs ahead of the clock)."""
+    def prefill_rows(self, decode_rows: int, waited_s: float) -> int:
+        """Prompt rows this step feeds (prefill.py), beside about `decode_rows` decoding rows, the oldest prompt
+        still prefilling having waited `waited_s`."""
+        return self.prefill.rows(self.costs, decode_rows, waited_s)
+
+    def observe(self, rows: int, seconds: float, prompt_rows: int = 0) -> None:
+        """A target forward over `rows` rows, `prompt_rows` of them prompt chunks, took `seconds` (CPU only: CUDA
+        runs ahead of the clock)."""
         self.forward_s = seconds
+        self.prefill.observe(prompt_rows, seconds)
         if self.in_use is not None:
             self.costs = self.in_use.observe(rows, seconds)
 

@@ -59,12 +59,18 @@ LOOKAHEAD_DECAY = 0.95
 # steps (not swept).
 PREDICTION_CATCH_UP_MAX = 1.0
 PREDICTION_RETRY_AFTER = 8
-# Chunked prefill (engine/engine.py): prompt rows per step while other requests decode (what their inter-token
-# latency pays for a new prompt), when nobody decodes, and for a request that wants every row's logits (prompt
-# logprobs) (not swept).
+# Chunked prefill (planner/prefill.py): a step feeding a prompt while others decode lasts up to PREFILL_STEP_S,
+# or PREFILL_WAIT_SHARE of the oldest prompt's wait so far, in at least PREFILL_ROWS_BUSY rows; nobody decoding,
+# PREFILL_ROWS_IDLE rows; a request that wants every row's logits (prompt logprobs) PREFILL_ROWS_ECHO. A prompt
+# row's price follows its busy steps' times (weight PREFILL_ROW_WEIGHT). 64 rows a busy step was the fixed size
+# before ("Long prompts under load"); a second-long gap is a twelfth of what llama-server's 512-row batches stall
+# its streams for on the same CPU (not swept).
 PREFILL_ROWS_BUSY = 64
 PREFILL_ROWS_IDLE = 512
 PREFILL_ROWS_ECHO = 64
+PREFILL_STEP_S = 1.0
+PREFILL_WAIT_SHARE = 0.1
+PREFILL_ROW_WEIGHT = 0.3
 # A request decoding alone (planner/alone.py): judged on its last drafted steps (each step's evidence weighs
 # ALONE_DECAY less after each later one), once it has ALONE_MIN_STEPS of them; it decodes plainly for
 # ALONE_BENCH_STEPS steps (doubling to ALONE_BENCH_MAX after each retry that loses too) when its drafted steps make
