@@ -187,6 +187,8 @@ def main() -> int:
     p.add_argument("--load-prompts", default=None,
                    help="a JSONL file whose rows' \"prompt\" are the load part's user messages (e.g. scripts/"
                         "long_prompts.py's long-4k.jsonl), instead of the built-in mixed kinds")
+    p.add_argument("--no-llama-server", dest="theirs", action="store_false",
+                   help="our methods only (an A/B of ours; llama-server's figures from an earlier run)")
     p.add_argument("--no-alone", dest="alone", action="store_false",
                    help="skip the one-at-a-time part (whole answers per kind)")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens per answer, one at a time")
@@ -208,7 +210,7 @@ def main() -> int:
         # each request's prompt (chat template included, where the file says) and its answer, with room to spare
         longest = max(row.get("context_tokens", len(row["prompt"]) // 2) for row in rows)
         context = -(-(longest + max(args.load_max_tokens, args.max_tokens) + 64) // 256) * 256
-    systems = ["llama-server", *([LLAMA_DRAFT] if draft else []), *args.methods.split(",")]
+    systems = [*(["llama-server", *([LLAMA_DRAFT] if draft else [])] if args.theirs else []), *args.methods.split(",")]
     results: dict[str, dict] = {}
     for system in systems:
         # llama-server: one slot for the first part, then as many as the largest level; ours batches up to 16.

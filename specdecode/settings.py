@@ -32,6 +32,8 @@ class KernelSwitches:
     guided_units: bool = True  # a linear layer's units shared out as threads free up (False: fixed shares)
     team: bool = True  # a decode forward's layers in one parallel region
     huge_pages: bool = True  # repacked weights in 2 MB pages
+    # attention over a bfloat16 cache in AVX-512 BF16 dot products where AMX does not run (off: the float path's bits)
+    bf16_dots: bool = True
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         cpu_arch=env.get("SPECDECODE_CPU_ARCH") or "native",
         api_key=env.get("SPECDECODE_API_KEY") or None,
         kernel_switches=KernelSwitches(*(env.get(f"SPECDECODE_{name}", "1") != "0"
-                                         for name in ("AMX", "GUIDED_UNITS", "TEAM", "HUGE_PAGES"))),
+                                         for name in ("AMX", "GUIDED_UNITS", "TEAM", "HUGE_PAGES", "BF16_DOTS"))),
     )
 
 

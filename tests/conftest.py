@@ -42,18 +42,13 @@ def costs_as_given(monkeypatch):
 
 @pytest.fixture
 def fixed_prefill(monkeypatch):
-    """-> chunks(busy=None, idle=None): engines made after the call feed prompts in these fixed chunks (rows a step
-    while others decode, and while nobody does), not in the planner's timed sizes (planner/prefill.py)."""
+    """-> chunks(busy=None, idle=None): engines feed prompts in these fixed chunks (rows a step while others decode,
+    and while nobody does), not in the planner's timed sizes (planner/prefill.py)."""
     from specdecode.planner import prefill
 
     def chunks(busy: int | None = None, idle: int | None = None) -> None:
-        monkeypatch.setattr(prefill, "PREFILL_STEP_S", 0.0)
-        monkeypatch.setattr(prefill, "PREFILL_WAIT_SHARE", 0.0)
-        if busy is not None:
-            monkeypatch.setattr(prefill, "PREFILL_ROWS_BUSY", busy)
-        if idle is not None:
-            monkeypatch.setattr(prefill, "PREFILL_ROWS_IDLE", idle)
-            if busy is None:
-                monkeypatch.setattr(prefill, "PREFILL_ROWS_BUSY", min(idle, prefill.PREFILL_ROWS_BUSY))
+        busy = prefill.PREFILL_ROWS_BUSY if busy is None else busy
+        idle = prefill.PREFILL_ROWS_IDLE if idle is None else idle
+        monkeypatch.setattr(prefill.PrefillSizer, "rows", lambda self, costs, decode_rows: busy if decode_rows else idle)
 
     return chunks

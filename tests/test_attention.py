@@ -404,12 +404,22 @@ def test_cache_keep_moves_the_slots_torch_moves(monkeypatch, dtype, kept):
     assert torch.equal(native.k, plain.k) and torch.equal(native.v, plain.v)
 
 
+@pytest.fixture(params=[True, False], ids=["bf16-dots", "float-path"])
+def bf16_dots(request):
+    """Attention over a bfloat16 cache with its AVX-512 BF16 dot products on (where the CPU has them and AMX does
+    not run) and off."""
+    kernels.set_bf16_dots(request.param)
+    yield request.param
+    kernels.set_bf16_dots(True)
+
+
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 2, 128), (14, 2, 64)])
-def test_long_rows_over_a_bfloat16_cache_equal_themselves_alone(heads, kv_heads, dim):
-    """Rows over a bfloat16 cache of up to 300 slots (past 64, a row's whole tiles of 32 run on AMX where the CPU
-    has it): each row of a call equals the row alone; a tree row whose ancestors sit at scattered slots equals its
-    path laid out in order; attention agrees with torch's to bfloat16's precision."""
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 2, 128), (14, 2, 64), (6, 1, 64)])
+def test_long_rows_over_a_bfloat16_cache_equal_themselves_alone(heads, kv_heads, dim, bf16_dots):
+    """Rows over a bfloat16 cache of up to 300 slots (past 64, a row's whole tiles of 32 run on AMX tiles or in
+    BF16 dot products where the CPU has them): each row of a call equals the row alone; a tree row whose ancestors
+    sit at scattered slots equals its path laid out in order; attention agrees with torch's to bfloat16's
+    precision."""
     torch.manual_seed(0)
     k, v = torch.randn(1, kv_heads, 400, dim).bfloat16(), torch.randn(1, kv_heads, 400, dim).bfloat16()
     q = torch.randn(1, heads, 8, dim)

@@ -262,15 +262,23 @@ def test_a_malformed_draft_fails_its_own_request_only(target, bad):
 
 
 @needs_kernels
-def test_greedy_over_a_bfloat16_cache_past_its_tiles(target, draft, monkeypatch, fixed_prefill):
-    """Prompts of 70-150 tokens with a bfloat16 cache (head dim 64: past 64 slots attention runs on AMX tiles
-    where the CPU has them): chains and trees, batched and prefilled in chunks, give plain decoding's tokens."""
+@pytest.mark.parametrize("dots", [True, False], ids=["bf16-dots", "float-path"])
+def test_greedy_over_a_bfloat16_cache_past_its_tiles(target, draft, monkeypatch, fixed_prefill, dots):
+    """Prompts of 70-150 tokens with a bfloat16 cache (head dim 64: past 64 slots attention runs on AMX tiles, or
+    in BF16 dot products, where the CPU has them): chains and trees, batched and prefilled in chunks, give plain
+    decoding's tokens."""
+    from specdecode.kernels import cpu_kernels
+
     fixed_prefill(busy=24)
     monkeypatch.setattr(target, "kv_dtype", torch.bfloat16)
     prompts = [[(7 * i + 3) % 64 for i in range(n)] for n in (70, 97, 150)]
     make = cycle(lambda: DraftModelDrafter(draft, vocab_size=64, width=TREE_WIDTH, expand=TREE_EXPAND),
                  lambda: HybridDrafter(DraftModelDrafter(draft, vocab_size=64)), NgramDrafter)
     requests = [(prompt, SamplingParams(max_new_tokens=30)) for prompt in prompts]
-    together = run_batch(Engine(target, make, None, costs=CPU_LIKE), requests, arrivals=[0, 2, 3])
-    for (prompt, params), out in zip(requests, together):
-        assert out == [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
+    cpu_kernels().set_bf16_dots(dots)
+    try:
+        together = run_batch(Engine(target, make, None, costs=CPU_LIKE), requests, arrivals=[0, 2, 3])
+        for (prompt, params), out in zip(requests, together):
+            assert out == [t for s in Engine(target, NoDrafter()).generate(prompt, params) for t in s.tokens]
+    finally:
+        cpu_kernels().set_bf16_dots(True)

@@ -390,6 +390,8 @@ def test_the_ngram_index_follows_a_growing_context():
         for step in range(120):
             if step == 70:
                 tokens = tokens[:40]  # another request's list: indexed again
+            if step == 100:
+                tokens = tokens[:-8] + [(t + 1) % 6 for t in tokens[-8:]]  # as long, its newest tokens others
             tokens = tokens + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
             depth, count = rng.randrange(0, 6), rng.randrange(1, 5)
             expect = scan(tokens, depth, low, high, count) if depth > 0 else []

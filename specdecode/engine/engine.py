@@ -252,8 +252,7 @@ class Engine:
         decoding = [s for s in self.running if not s.prefilling]
         parts: list[Part] = []
         owners: list[Sequence] = []
-        waiting = [s for s in self.running if s.prefilling and s.leader is None]
-        room = 0 if not waiting else self.planner.prefill_rows(len(decoding), started - min(s.started for s in waiting))
+        room = self.planner.prefill_rows(sum(1 + len(s.draft) for s in decoding))
         for seq in self.running:
             if seq.prefilling and room > 0 and seq.leader is None:
                 n = min(room, seq.prompt_left, PREFILL_ROWS_ECHO if seq.prompt_logprobs is not None else room)

@@ -30,7 +30,7 @@ from specdecode import settings
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "linear_bf16_tiles_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "activation_cpu.cpp", "argmax_cpu.cpp", "sample_cpu.cpp", "embedding_cpu.cpp", "cache_cpu.cpp", "layer_cpu.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h", "layer_cpu.h", "team_cpu.h", "aten_lite.h",
-                                                            "amx_tiles.h", "huge_pages.h")]
+                                                            "amx_tiles.h", "huge_pages.h", "attention_bf16_dots.h")]
 
 
 def cpuinfo_field(name: str) -> str:
@@ -121,6 +121,7 @@ def cpu_kernels() -> ModuleType | None:
     # round queries and weights to bfloat16: another output, as on a CPU without AMX)
     switches = settings.current().kernel_switches
     kernels.set_amx(switches.amx)
+    kernels.set_bf16_dots(switches.bf16_dots)
     kernels.set_guided_units(switches.guided_units)
     kernels.set_team(switches.team)
     kernels.set_huge_pages(switches.huge_pages)

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "attention_bf16_dots.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -129,11 +131,17 @@ inline uint16_t to_bf16(float x) {
 // every cached token, bound by the FMA port on the AVX-512 path: 8 rows over 4,000 cached tokens, 28 layers of the
 // 1.5B target, took 24.5 ms here against 52.8 in float32 ("Long prompts").
 #define SPECDECODE_AMX_ATTENTION 1
+#endif
 
-constexpr int64_t kAmxSlots = 32;  // slots one weights tile spans: a row's part on AMX is a multiple of it
+#if defined(SPECDECODE_AMX_ATTENTION) || defined(SPECDECODE_BF16_DOTS)
+constexpr int64_t kAmxSlots = 32;  // slots one weights tile spans: a row's bfloat16 part is a multiple of it
 
-// A row's slots on AMX: whole tiles of 32, none under 64 (its tiles would be mostly padding).
+// A row's slots in bfloat16 products (AMX tiles or AVX-512 BF16 dots): whole tiles of 32, none under 64 (its tiles
+// would be mostly padding).
 inline int64_t amx_slots(int64_t count) { return count < 64 ? 0 : count / kAmxSlots * kAmxSlots; }
+#endif
+
+#if defined(SPECDECODE_AMX_ATTENTION)
 
 // tile 0: sums (16 x 16 float32), 1: A (16 x 32 bfloat16), 2: B (16 x 16 bfloat16 pairs): 64-byte rows each
 inline void configure_attention_tiles() {
@@ -322,15 +330,34 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
   for (int64_t r = 0; r < R; ++r) shared = std::min(shared, spans[t0 + r]), longest = std::max(longest, count(r));
   // each row's first F[r] slots on AMX tiles (a bfloat16 cache, where the CPU has them), the rest below
   int64_t F[kUnitRows] = {}, prefix[kUnitRows] = {}, least_F = 0, most_F = 0;
-#if defined(SPECDECODE_AMX_ATTENTION)
+  [[maybe_unused]] bool tiles = false;  // the bfloat16 part on AMX tiles, else (where F > 0) in BF16 dot products
+#if defined(SPECDECODE_AMX_ATTENTION) || defined(SPECDECODE_BF16_DOTS)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (D % 64 == 0 && amx_on()) {
+#if defined(SPECDECODE_AMX_ATTENTION)
+    tiles = amx_on();
+#endif
+    bool dots = false;
+#if defined(SPECDECODE_BF16_DOTS)
+    dots = !tiles && specdecode::bf16_dots_on();
+#endif
+    if (D % 64 == 0 && (tiles || dots)) {
       least_F = INT64_MAX;
       for (int64_t r = 0; r < R; ++r)
         F[r] = amx_slots(count(r)), prefix[r] = spans[t0 + r], least_F = std::min(least_F, F[r]);
-      AmxUnit unit(R, G, D, F, prefix, slot);
-      most_F = unit.FM;
-      if (most_F > 0) unit.scores(q, stride, k, scale, scores, s_stride);
+#if defined(SPECDECODE_AMX_ATTENTION)
+      if (tiles) {
+        AmxUnit unit(R, G, D, F, prefix, slot);
+        most_F = unit.FM;
+        if (most_F > 0) unit.scores(q, stride, k, scale, scores, s_stride);
+      }
+#endif
+#if defined(SPECDECODE_BF16_DOTS)
+      if (dots) {
+        specdecode::DotsUnit unit(R, G, D, F, prefix, slot);
+        most_F = unit.FM;
+        if (most_F > 0) unit.scores(q, stride, k, scale, scores, s_stride);
+      }
+#endif
     }
   }
 #endif
@@ -429,9 +456,14 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
       }
       inv_total[r * G + g] = 1.f / lane_sum(lanes);
     }
-#if defined(SPECDECODE_AMX_ATTENTION)
+#if defined(SPECDECODE_AMX_ATTENTION) || defined(SPECDECODE_BF16_DOTS)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (most_F > 0) AmxUnit(R, G, D, F, prefix, slot).values(v, scores, s_stride, out, out_row);
+#if defined(SPECDECODE_AMX_ATTENTION)
+    if (most_F > 0 && tiles) AmxUnit(R, G, D, F, prefix, slot).values(v, scores, s_stride, out, out_row);
+#endif
+#if defined(SPECDECODE_BF16_DOTS)
+    if (most_F > 0 && !tiles) specdecode::DotsUnit(R, G, D, F, prefix, slot).values(v, scores, s_stride, out, out_row);
+#endif
   }
 #endif
   // weighted sums of v, unnormalised, into `out`: 64 output lanes per pass, tiles of kSlots slots read once for all
@@ -567,6 +599,16 @@ LinearWork attend_work(const at::Tensor& q, const at::Tensor& k_cache, const at:
 }
 
 }  // namespace
+
+namespace {
+std::atomic<bool> bf16_dots_wanted{true};
+}
+
+#if defined(SPECDECODE_BF16_DOTS)
+bool specdecode::bf16_dots_on() { return bf16_dots_wanted.load(); }
+#endif
+
+void set_bf16_dots(bool on) { bf16_dots_wanted.store(on); }
 
 int64_t decode_attention_units(int64_t rows, int64_t kv_heads) { return kv_heads * ((rows + kRows - 1) / kRows); }
 

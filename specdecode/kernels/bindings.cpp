@@ -32,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weights repacked from now on in 2 MB pages (on) or 4 KB ones (the same bits; to compare speed)");
   m.def("set_amx", &set_amx, "AMX on or off for this process (to compare speed: the same bits in the linear layers, "
         "not in attention over a bfloat16 cache, whose tiles round queries and weights to bfloat16)");
+  m.def("set_bf16_dots", &set_bf16_dots, "attention over a bfloat16 cache in AVX-512 BF16 dot products where the "
+        "CPU has them and AMX does not run (True, the default) or on the float path (False: other bits, to compare)");
   m.def("repack_c16_legacy", &repack_c16_legacy, "32-weight blocks, row layout -> 16 output channels per vector");
   m.def("linear_c16_legacy", &linear_c16_legacy, "y = x @ W^T + b, 32-weight-block W with 16 channels per vector");
   m.def("argmax_rows", &argmax_rows, "each row's largest value's index, the first on ties; -1 for a row with a NaN");

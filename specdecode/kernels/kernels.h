@@ -115,6 +115,7 @@ std::vector<at::Tensor> repack_c16_legacy(const at::Tensor& qs, const at::Tensor
 // Rows from which a Q4_K or Q6_K layer's forward runs on AMX tile products (bit-identical rows; a Q4_0 layer's from
 // 32), or 0 where it does not: no AMX in this build or this CPU, the system refused the tile state, or SPECDECODE_AMX=0.
 int64_t amx_min_rows();
+void set_bf16_dots(bool on);  // attention over a bfloat16 cache in AVX-512 BF16 dots where AMX is off (attention_cpu.cpp)
 void set_amx(bool on);  // AMX for this process (on by default where it runs); off: the VNNI tile for every row
 LinearWork linear_c16_work(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi,
                            const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d,

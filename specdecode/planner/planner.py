@@ -198,10 +198,9 @@ class Planner:
             counts[i] += 1
         return {r.key: count for r, count in zip(proposed, counts)}
 
-    def prefill_rows(self, decode_rows: int, waited_s: float) -> int:
-        """Prompt rows this step feeds (prefill.py), beside about `decode_rows` decoding rows, the oldest prompt
-        still prefilling having waited `waited_s`."""
-        return self.prefill.rows(self.costs, decode_rows, waited_s)
+    def prefill_rows(self, decode_rows: int) -> int:
+        """Prompt rows this step feeds (prefill.py), beside about `decode_rows` decoding rows."""
+        return self.prefill.rows(self.costs, decode_rows)
 
     def observe(self, rows: int, seconds: float, prompt_rows: int = 0) -> None:
         """A target forward over `rows` rows, `prompt_rows` of them prompt chunks, took `seconds` (CPU only: CUDA

@@ -59,17 +59,17 @@ LOOKAHEAD_DECAY = 0.95
 # steps (not swept).
 PREDICTION_CATCH_UP_MAX = 1.0
 PREDICTION_RETRY_AFTER = 8
-# Chunked prefill (planner/prefill.py): a step feeding a prompt while others decode lasts up to PREFILL_STEP_S,
-# or PREFILL_WAIT_SHARE of the oldest prompt's wait so far, in at least PREFILL_ROWS_BUSY rows; nobody decoding,
-# PREFILL_ROWS_IDLE rows; a request that wants every row's logits (prompt logprobs) PREFILL_ROWS_ECHO. A prompt
-# row's price follows its busy steps' times (weight PREFILL_ROW_WEIGHT). 64 rows a busy step was the fixed size
-# before ("Long prompts under load"); a second-long gap is a twelfth of what llama-server's 512-row batches stall
-# its streams for on the same CPU (not swept).
+# Chunked prefill (planner/prefill.py): beside decoding requests a prompt gets the smallest chunk that feeds it at
+# (1 - PREFILL_OVERHEAD) of its rate alone, at least PREFILL_ROWS_MIN rows; PREFILL_ROWS_BUSY until a step is timed
+# or priced; nobody decoding, PREFILL_ROWS_IDLE (the most a step takes); a request that wants every row's logits
+# (prompt logprobs) PREFILL_ROWS_ECHO. Prices follow the steps' times (weight PREFILL_ROW_WEIGHT). At 0.2 the
+# 2-core Zen 4 lands near the 64 rows that served 4k prompts best there ("Long prompts under load": steps stretched
+# with the wait lost at the median); 64 rows had been the fixed size. Not swept beyond that.
 PREFILL_ROWS_BUSY = 64
 PREFILL_ROWS_IDLE = 512
 PREFILL_ROWS_ECHO = 64
-PREFILL_STEP_S = 1.0
-PREFILL_WAIT_SHARE = 0.1
+PREFILL_ROWS_MIN = 16
+PREFILL_OVERHEAD = 0.2
 PREFILL_ROW_WEIGHT = 0.3
 # A request decoding alone (planner/alone.py): judged on its last drafted steps (each step's evidence weighs
 # ALONE_DECAY less after each later one), once it has ALONE_MIN_STEPS of them; it decodes plainly for

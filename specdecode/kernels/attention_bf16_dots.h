@@ -1,0 +1,255 @@
+// Attention over a bfloat16 cache in AVX-512 BF16 dot products (vdpbf16ps: two bfloat16 products added into a
+// float32 lane), for CPUs that have them without AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake, or AMX turned off).
+// The same contract as attention_cpu.cpp's AmxUnit: a row's first F[r] slots (whole blocks of 32, from 64 slots on;
+// the split depends on the row's own slot count only) are scored and weighed here, queries and softmax weights
+// rounded to bfloat16, and its other slots go on through the float path from these sums. Every lane's sum runs
+// over its row's own slots in one fixed order, so a row computes the same bits alone, in a verify forward or in a
+// prompt's chunk, and a tree row reading its ancestors' scattered slots the bits of its path laid out in order.
+//
+// Scores: 16 keys a vector. A block of 16 keys is transposed once (lane i of vector p: key i's p-th pair of
+// dimensions) for every row and head that reads it, and a head's query pair p, broadcast, meets vector p: a
+// head's 16 scores need D / 2 dot products and no horizontal sums. Values: 16 dimensions a vector, two slots a
+// lane (the slot pair's values interleaved once per block of 32 slots for every row and head), the pair's two
+// weights broadcast. Against the float path this halves the multiply-add instructions, which bound verify rows
+// and prompt chunks over long caches.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "amx_tiles.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SPECDECODE_BF16_DOTS 1
+
+namespace specdecode {
+
+// Whether attention over a bfloat16 cache runs in these dot products where AMX does not (on by default;
+// set_bf16_dots, SPECDECODE_BF16_DOTS=0 through settings.py: the float path's bits instead).
+bool bf16_dots_on();
+
+// 16 rows of 16 32-bit values -> 16 columns: r[i] lane c becomes r[c] lane i.
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4 i + c]: in each 128-bit lane L, column 4 L + c of rows 4 i .. 4 i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+}
+
+// One unit's part in dot products: R rows of G heads (query n = r G + g at q + r D + g stride) against keys k and
+// values v [slots, D] bfloat16. Row r's first F[r] slots (a multiple of 32); its j-th slot slot(r, j), of which
+// the first prefix[r] are the cache's own [0, prefix[r]). D a multiple of 64.
+template <typename Slot>
+struct DotsUnit {
+  int64_t R, G, D;
+  const int64_t* F;
+  const int64_t* prefix;
+  Slot slot;
+  int64_t NQ, FM;  // queries, the largest F
+
+  DotsUnit(int64_t R_, int64_t G_, int64_t D_, const int64_t* F_, const int64_t* prefix_, Slot slot_)
+      : R(R_), G(G_), D(D_), F(F_), prefix(prefix_), slot(slot_), NQ(R_ * G_), FM(0) {
+    for (int64_t r = 0; r < R; ++r) FM = std::max(FM, F[r]);
+  }
+
+  // run(std::integral_constant<int, NH>, g0) for each group of a row's heads: at most six a group (six chains of
+  // dot products in flight; 24 value sums in registers), as even as G allows.
+  template <typename Run>
+  void each_group(Run run) const {
+    const int64_t groups = (G + 5) / 6;
+    for (int64_t group = 0, g0 = 0; group < groups; ++group) {
+      const int64_t heads = G / groups + (group < G % groups);
+      switch (heads) {
+        case 1: run(std::integral_constant<int, 1>(), g0); break;
+        case 2: run(std::integral_constant<int, 2>(), g0); break;
+        case 3: run(std::integral_constant<int, 3>(), g0); break;
+        case 4: run(std::integral_constant<int, 4>(), g0); break;
+        case 5: run(std::integral_constant<int, 5>(), g0); break;
+        default: run(std::integral_constant<int, 6>(), g0); break;
+      }
+      g0 += heads;
+    }
+  }
+
+  // The rows [first, last] that read slots [j0, j0 + width), and whether all of them read the cache's own.
+  bool readers(int64_t j0, int64_t width, int64_t& first, int64_t& last) const {
+    bool own = true;
+    first = R, last = -1;
+    for (int64_t r = 0; r < R; ++r)
+      if (F[r] >= j0 + width) first = std::min(first, r), last = r, own = own && j0 + width <= prefix[r];
+    return own;
+  }
+
+  // Scores of every row's first F[r] slots into out + n s_stride + j, times scale.
+  void scores(const float* q, int64_t stride, const at::BFloat16* k, float scale, float* out, int64_t s_stride) {
+    thread_local std::vector<uint16_t> qb_buffer;
+    thread_local std::vector<uint32_t> kt_buffer;
+    const int64_t P = D / 2;  // dimension pairs a key
+    uint16_t* qb = scratch(qb_buffer, NQ * D);  // each query rounded to bfloat16
+    uint32_t* kt = scratch(kt_buffer, P * 16);  // [P][16 keys]: a block of keys transposed
+    for (int64_t n = 0; n < NQ; ++n) {
+      const float* x = q + (n / G) * D + (n % G) * stride;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + n * D + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + d)));
+    }
+    const uint32_t* keys = reinterpret_cast<const uint32_t*>(k);  // [slots][P]
+    auto transpose = [&](auto row_of) {
+      for (int64_t p0 = 0; p0 < P; p0 += 16) {
+        __m512i block[16];
+        for (int i = 0; i < 16; ++i) block[i] = _mm512_loadu_si512(keys + row_of(i) * P + p0);
+        transpose16(block);
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + (p0 + i) * 16, block[i]);
+      }
+    };
+    auto dots = [&](int64_t r, int64_t j0) {  // row r's heads against the transposed block, NH chains at a time
+      each_group([&](auto nh, int64_t g0) {
+        constexpr int NH = decltype(nh)::value;
+        const uint32_t* qp[NH];
+        __m512 acc[NH];
+        for (int h = 0; h < NH; ++h) {
+          qp[h] = reinterpret_cast<const uint32_t*>(qb + (r * G + g0 + h) * D);
+          acc[h] = _mm512_setzero_ps();
+        }
+        for (int64_t p = 0; p < P; ++p) {
+          const __m512i column = _mm512_load_si512(kt + p * 16);
+          for (int h = 0; h < NH; ++h) acc[h] = dot_pairs(acc[h], _mm512_set1_epi32(static_cast<int>(qp[h][p])), column);
+        }
+        for (int h = 0; h < NH; ++h)
+          _mm512_storeu_ps(out + (r * G + g0 + h) * s_stride + j0, _mm512_mul_ps(acc[h], _mm512_set1_ps(scale)));
+      });
+    };
+    for (int64_t j0 = 0; j0 < FM; j0 += 16) {
+      int64_t first, last;
+      // the cache's own keys two blocks ahead into L1: the transposes' loads of 16 rows at once stalled on memory
+      // (a quarter of a one-row forward's samples on one load), which the hardware's prefetch did not cover
+      if (j0 + 48 <= FM)
+        for (int64_t line = 0; line < D / 2; ++line)  // 16 keys of 2 D bytes
+          _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + 32) * P) + 64 * line, _MM_HINT_T0);
+      if (readers(j0, 16, first, last)) {
+        transpose([&](int i) { return j0 + i; });
+        for (int64_t r = first; r <= last; ++r)
+          if (F[r] >= j0 + 16) dots(r, j0);
+        continue;
+      }
+      for (int64_t r = first; r <= last; ++r) {  // some row reads other slots here: each row its own
+        if (F[r] < j0 + 16) continue;
+        transpose([&](int i) { return slot(r, j0 + i); });
+        dots(r, j0);
+      }
+    }
+  }
+
+  // The weighted values of every row's first F[r] slots (its weights at weights + n s_stride + j, unnormalised),
+  // into out + r out_row + g D, where the float path continues.
+  void values(const at::BFloat16* v, const float* weights, int64_t s_stride, float* out, int64_t out_row) {
+    thread_local std::vector<uint16_t> wb_buffer;
+    thread_local std::vector<uint32_t> vt_buffer;
+    uint16_t* wb = scratch(wb_buffer, NQ * FM);  // [NQ][FM]: weights rounded to bfloat16
+    uint32_t* vt = scratch(vt_buffer, 16 * 64);  // [16 slot pairs][64 dimensions]: a block's values interleaved
+    for (int64_t n = 0; n < NQ; ++n)
+      for (int64_t j = 0; j < F[n / G]; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + n * FM + j),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(weights + n * s_stride + j)));
+    const uint16_t* values = reinterpret_cast<const uint16_t*>(v);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      // vt[k][c]: the values of slots 2k and 2k + 1 as pairs, 16 dimensions a vector, in unpack order (c = 0, 1:
+      // the low and high halves of each 8 of dimensions d0 .. d0 + 31; 2, 3: of d0 + 32 ..): one shuffle a vector,
+      // where widening each row's values to 32 bits took four. `unpacked` puts the sums back in order at the end.
+      auto pack = [&](auto row_of) {
+        for (int k = 0; k < 16; ++k) {
+          const uint16_t* even = values + row_of(2 * k) * D + d0;
+          const uint16_t* odd = values + row_of(2 * k + 1) * D + d0;
+          for (int half = 0; half < 2; ++half) {
+            const __m512i e = _mm512_loadu_si512(even + 32 * half), o = _mm512_loadu_si512(odd + 32 * half);
+            _mm512_store_si512(vt + (k * 4 + 2 * half) * 16, _mm512_unpacklo_epi16(e, o));
+            _mm512_store_si512(vt + (k * 4 + 2 * half + 1) * 16, _mm512_unpackhi_epi16(e, o));
+          }
+        }
+      };
+      auto weigh = [&](int64_t r, int64_t j0) {  // row r's heads over the packed block, from their sums so far
+        each_group([&](auto nh, int64_t g0) {
+          constexpr int NH = decltype(nh)::value;
+          __m512 acc[NH][4];
+          const uint32_t* w[NH];
+          for (int h = 0; h < NH; ++h) {
+            w[h] = reinterpret_cast<const uint32_t*>(wb + (r * G + g0 + h) * FM + j0);
+            const float* o = out + r * out_row + (g0 + h) * D + d0;
+            for (int c = 0; c < 4; ++c) acc[h][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + 16 * c);
+          }
+          for (int k = 0; k < 16; ++k) {
+            __m512i pair[4];
+            for (int c = 0; c < 4; ++c) pair[c] = _mm512_load_si512(vt + (k * 4 + c) * 16);
+            for (int h = 0; h < NH; ++h) {
+              const __m512i weight = _mm512_set1_epi32(static_cast<int>(w[h][k]));
+              for (int c = 0; c < 4; ++c) acc[h][c] = dot_pairs(acc[h][c], weight, pair[c]);
+            }
+          }
+          for (int h = 0; h < NH; ++h) {
+            float* o = out + r * out_row + (g0 + h) * D + d0;
+            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + 16 * c, acc[h][c]);
+          }
+        });
+      };
+      for (int64_t j0 = 0; j0 < FM; j0 += 32) {
+        int64_t first, last;
+        if (j0 + 64 <= FM)  // the next block's values (this pass's 128 bytes of each row) into L1
+          for (int j = 0; j < 32; ++j)
+            for (int line = 0; line < 2; ++line)
+              _mm_prefetch(reinterpret_cast<const char*>(values + (j0 + 32 + j) * D + d0) + 64 * line, _MM_HINT_T0);
+        if (readers(j0, 32, first, last)) {
+          pack([&](int j) { return j0 + j; });
+          for (int64_t r = first; r <= last; ++r)
+            if (F[r] >= j0 + 32) weigh(r, j0);
+          continue;
+        }
+        for (int64_t r = first; r <= last; ++r) {
+          if (F[r] < j0 + 32) continue;
+          pack([&](int j) { return slot(r, j0 + j); });
+          weigh(r, j0);
+        }
+      }
+    }
+    for (int64_t n = 0; n < NQ; ++n)
+      if (F[n / G] > 0) unpacked(out + (n / G) * out_row + (n % G) * D);
+  }
+
+  // A head's sums from unpack order (pack above) into dimension order, 32 dimensions at a time: lane i of the low
+  // vector holds dimension 8 (i / 4) + i % 4, of the high one 8 (i / 4) + 4 + i % 4.
+  void unpacked(float* sums) const {
+    for (int64_t d = 0; d < D; d += 32) {
+      float held[32];
+      std::memcpy(held, sums + d, sizeof held);
+      for (int i = 0; i < 16; ++i) {
+        sums[d + 8 * (i / 4) + i % 4] = held[i];
+        sums[d + 8 * (i / 4) + 4 + i % 4] = held[16 + i];
+      }
+    }
+  }
+};
+
+}  // namespace specdecode
+#endif
