@@ -2,9 +2,10 @@
 // float32 lane), for CPUs that have them without AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake, or AMX turned off).
 // The same contract as attention_cpu.cpp's AmxUnit: a row's first F[r] slots (whole blocks of 32, from 64 slots on;
 // the split depends on the row's own slot count only) are scored and weighed here, queries and softmax weights
-// rounded to bfloat16, and its other slots go on through the float path from these sums. Every lane's sum runs
-// over its row's own slots in one fixed order, so a row computes the same bits alone, in a verify forward or in a
-// prompt's chunk, and a tree row reading its ancestors' scattered slots the bits of its path laid out in order.
+// rounded to bfloat16 (by vcvtneps2bf16, which flushes denormals: other bits than the tiles' there), and its other
+// slots go on through the float path from these sums. Every lane's sum runs over its row's own slots in one fixed
+// order, so a row computes the same bits alone, in a verify forward or in a prompt's chunk, and a tree row reading
+// its ancestors' scattered slots the bits of its path laid out in order.
 //
 // Scores: 16 keys a vector. A block of 16 keys is transposed once (lane i of vector p: key i's p-th pair of
 // dimensions) for every row and head that reads it, and a head's query pair p, broadcast, meets vector p: a
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "aten_lite.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPECDECODE_BF16_DOTS 1

@@ -328,7 +328,8 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
   auto slot = [&](int64_t r, int64_t j) { return j < spans[t0 + r] ? j : extra(r)[j - spans[t0 + r]]; };
   int64_t shared = spans[t0], longest = 0;  // slots [0, shared) are every row's first ones
   for (int64_t r = 0; r < R; ++r) shared = std::min(shared, spans[t0 + r]), longest = std::max(longest, count(r));
-  // each row's first F[r] slots on AMX tiles (a bfloat16 cache, where the CPU has them), the rest below
+  // each row's first F[r] slots in bfloat16 products (a bfloat16 cache: AMX tiles or BF16 dots, where the CPU has
+  // them), the rest below
   int64_t F[kUnitRows] = {}, prefix[kUnitRows] = {}, least_F = 0, most_F = 0;
   [[maybe_unused]] bool tiles = false;  // the bfloat16 part on AMX tiles, else (where F > 0) in BF16 dot products
 #if defined(SPECDECODE_AMX_ATTENTION) || defined(SPECDECODE_BF16_DOTS)
@@ -410,7 +411,7 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
     for (int i = 0; i < 4; ++i) keys[2 * i] = k + slot(r, j + i) * D, keys[2 * i + 1] = k + slot(r, j + 4 + i) * D;
   };
   const T* keys[8];
-  int64_t j = least_F;  // a multiple of 32: slots before it are every row's on AMX
+  int64_t j = least_F;  // a multiple of 32: slots before it are every row's in bfloat16 products
   for (; j + 8 <= shared; j += 8) {
     slots8(0, j, keys);  // shared slots: the same for every row
     if (j + kKeysAhead + 8 <= shared) prefetch_rows(k + (j + kKeysAhead) * D, 8, D);
@@ -467,8 +468,8 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
   }
 #endif
   // weighted sums of v, unnormalised, into `out`: 64 output lanes per pass, tiles of kSlots slots read once for all
-  // rows and heads (a row's first F[r] slots were summed on AMX: it goes on from those sums); the partial sums wait
-  // in `out` between tiles (a store and a load change no bit)
+  // rows and heads (a row's first F[r] slots were summed in bfloat16 products: it goes on from those sums); the
+  // partial sums wait in `out` between tiles (a store and a load change no bit)
   constexpr int64_t kSlots = 32;
   static_assert(kSlots == 32, "a row's AMX part ends on a tile of kSlots");
   int64_t d0 = 0;
