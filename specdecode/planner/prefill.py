@@ -51,8 +51,8 @@ class PrefillSizer:
 
     def row_seconds(self, costs: CostCurve | None) -> float | None:
         """What one prompt row adds to a forward: as timed here, else the curve's slope past its batch sizes."""
-        if self.row_s.value is not None:
-            return self.row_s.value
+        if self.row_s.value is not None:  # a row timed as free (a forward no slower than the decoders' alone)
+            return max(self.row_s.value, 1e-9)
         if costs is None:
             return None
         big = max(self.busy, 2 * len(costs.seconds))
