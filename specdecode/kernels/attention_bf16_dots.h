@@ -25,6 +25,22 @@
 #include "amx_tiles.h"
 #include "aten_lite.h"
 
+namespace specdecode {
+
+// Of R rows whose first F[r] slots run in bfloat16 products (their first prefix[r] the cache's own): the rows
+// [first, last] that read slots [j0, j0 + width), and whether all of them read the cache's own there (then one
+// block serves them all). Shared by the AMX tiles (attention_cpu.cpp) and the dot products below.
+inline bool block_readers(int64_t R, const int64_t* F, const int64_t* prefix, int64_t j0, int64_t width,
+                          int64_t& first, int64_t& last) {
+  bool own = true;
+  first = R, last = -1;
+  for (int64_t r = 0; r < R; ++r)
+    if (F[r] >= j0 + width) first = std::min(first, r), last = r, own = own && j0 + width <= prefix[r];
+  return own;
+}
+
+}  // namespace specdecode
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPECDECODE_BF16_DOTS 1
 
@@ -97,13 +113,8 @@ struct DotsUnit {
     }
   }
 
-  // The rows [first, last] that read slots [j0, j0 + width), and whether all of them read the cache's own.
   bool readers(int64_t j0, int64_t width, int64_t& first, int64_t& last) const {
-    bool own = true;
-    first = R, last = -1;
-    for (int64_t r = 0; r < R; ++r)
-      if (F[r] >= j0 + width) first = std::min(first, r), last = r, own = own && j0 + width <= prefix[r];
-    return own;
+    return specdecode::block_readers(R, F, prefix, j0, width, first, last);
   }
 
   // Scores of every row's first F[r] slots into out + n s_stride + j, times scale.

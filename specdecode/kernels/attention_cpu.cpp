@@ -173,13 +173,8 @@ struct AmxUnit {
     for (int64_t r = 0; r < R; ++r) FM = std::max(FM, F[r]);
   }
 
-  // The rows [first, last] that read slots [j0, j0 + width), and whether all of them read the cache's own.
   bool readers(int64_t j0, int64_t width, int64_t& first, int64_t& last) const {
-    bool own = true;
-    first = R, last = -1;
-    for (int64_t r = 0; r < R; ++r)
-      if (F[r] >= j0 + width) first = std::min(first, r), last = r, own = own && j0 + width <= prefix[r];
-    return own;
+    return specdecode::block_readers(R, F, prefix, j0, width, first, last);
   }
 
   // Scores of every row's first F[r] slots into scores + n s_stride + j, times scale.
