@@ -163,7 +163,7 @@ def test_drafting_turns_off_when_the_batch_is_large(target, draft):
     engine = Engine(target, DraftModelDrafter(draft, vocab_size=64), None, costs=flat)
     seqs = [engine.add(PROMPTS[0], SamplingParams(max_new_tokens=50)) for _ in range(16)]
     planner = engine.planner
-    planner.costs = CPU_LIKE
+    planner.costs = planner.step_costs = CPU_LIKE  # the step's prices too: choose() sets them, not called here
     for seq in seqs:
         seq.fed = seq.stats.prompt_tokens  # pretend prefilled: only the gate is under test
         planner.outlook[id(seq)].draft_s = 0.5  # half a one-token target forward per draft

@@ -278,6 +278,7 @@ class Engine:
         decoding = verifying
         if not parts:
             return self._finish(results)
+        shares = [(p.count, getattr(p.cache, "length", 0)) for p in parts] if self.times_forwards else []
         began = time.perf_counter()
         # Every part in decode mode (prompts too, on the CPU): rows as if alone. Drafters of one engine are forks
         # of one, so they read the same target layers.
@@ -285,7 +286,7 @@ class Engine:
         rows = sum(p.count for p in parts)
         forwarded = time.perf_counter()
         if self.times_forwards:
-            self.planner.observe(rows, forwarded - began, prefill_rows)
+            self.planner.observe(rows, forwarded - began, prefill_rows, shares)
         for seq, part, (logits, hidden) in zip(owners, parts, outputs):
             try:
                 if seq.prefilling:

@@ -196,7 +196,7 @@ class Sequence:
         stats, draft = self.stats, self.draft
         return Request(id(self), self.auto, self.proposed, draft.scores, len(draft), self.draft_seconds,
                        self.needs.forward_model is not None, stats.accepted_tokens, stats.drafts,
-                       self.params.max_new_tokens - stats.new_tokens)
+                       self.params.max_new_tokens - stats.new_tokens, self.cache.length)
 
     def lag(self) -> tuple[int, float]:
         """(tokens its drafter's own state lacks, its seconds per forward where that is more than two, else 0): what

@@ -6,7 +6,8 @@ else a step does, not in a quiet moment. The cache keeps the measured shape; wha
 the level (how much dearer or cheaper forwards run than measured). The planner (planner.py) makes every
 draft-size decision from it. On a GPU C is flat; on a CPU, where C(8) is 1.1-2.3x C(1), it is not. The engine
 also needs C at batch sizes (many requests' rows, prompt chunks): a few are measured up to 128 rows, and the curve
-is linear between measured sizes.
+is linear between measured sizes. What a long cache adds to a forward is modelled beside it (context_cost.py):
+`CostCurve.at` prices a step at its requests' context.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from specdecode.planner.context_cost import ContextCost, measure_slopes
+
 MAX_MEASURED = 16  # every size up to this is measured (a request's verify forward)
 # Sizes of a batch's forward (many requests, prompt chunks) measured beyond that; between them the curve is
 # linear. A CPU's cost per row grows past the first few dozen rows, so extrapolating from 16 would flatter them.
@@ -41,6 +44,16 @@ class CostCurve:
     tail: tuple[tuple[int, float], ...] = ()  # (m, seconds) for batch-sized forwards, m ascending
     # the cache file it came from: the level of the in-use prices is written back there for the next process
     source: Path | None = field(default=None, compare=False, repr=False)
+    context: ContextCost | None = None  # what cached tokens add (None: nothing, as measured)
+
+    def at(self, cached: int, requests: int = 1) -> CostCurve:
+        """The curve for a forward of `requests` requests with about `cached` tokens each in their caches."""
+        context = self.context
+        if context is None or cached <= context.base:
+            return self
+        add = context.seconds
+        return CostCurve(tuple(s + add(m, cached, requests) for m, s in enumerate(self.seconds, start=1)),
+                         tuple((m, s + add(m, cached, requests)) for m, s in self.tail))
 
     def cost(self, m: int) -> float:
         if m <= len(self.seconds):
@@ -71,8 +84,11 @@ class CostCurve:
         return [s / self.seconds[0] for s in self.seconds]
 
     def to_dict(self) -> dict:
-        return {"seconds": list(self.seconds), "ratio_to_one_token": [round(r, 3) for r in self.ratios()],
-                "batch_sizes": [[m, s] for m, s in self.tail]}
+        saved = {"seconds": list(self.seconds), "ratio_to_one_token": [round(r, 3) for r in self.ratios()],
+                 "batch_sizes": [[m, s] for m, s in self.tail]}
+        if self.context is not None:
+            saved["context"] = self.context.to_dict()
+        return saved
 
 
 IN_USE_WINDOW = 24  # a size's most recent in-use times whose median stands for it
@@ -157,7 +173,7 @@ class InUseCurve:
         kinds of work against 0.99x with the curve measured again)."""
         level = statistics.median(self.medians[m] / self.measured.seconds[m - 1] for m in self.medians)
         return CostCurve(tuple(s * level for s in self.measured.seconds),
-                         tuple((m, s * level) for m, s in self.measured.tail))
+                         tuple((m, s * level) for m, s in self.measured.tail), context=self.measured.context)
 
     def _curve(self, explore: bool) -> CostCurve:
         """Known sizes at their medians; the others at the measured time times the in-use/measured ratio of the
@@ -197,7 +213,7 @@ class InUseCurve:
         for size, measured_s in self.measured.tail:
             floor = max(floor, measured_s * ratio[known[-1]])
             tail.append((size, floor))
-        return CostCurve(tuple(seconds), tuple(tail))
+        return CostCurve(tuple(seconds), tuple(tail), context=self.measured.context)
 
 
 def machine_key() -> str:
@@ -212,8 +228,8 @@ def machine_key() -> str:
 def curve_path(model_key: str, cache: Path | None = None) -> Path:
     from specdecode.settings import cache_dir
 
-    # v4: files written back with the measured shape (InUseCurve.leveled); older ones may hold a drifted shape
-    digest = hashlib.sha256(f"v4\n{model_key}\n{machine_key()}".encode()).hexdigest()[:16]
+    # v5: with what cached tokens add (context_cost.py); v4: written back with the measured shape (leveled)
+    digest = hashlib.sha256(f"v5\n{model_key}\n{machine_key()}".encode()).hexdigest()[:16]
     return (cache or cache_dir()) / "cost-curves" / f"{digest}.json"
 
 
@@ -223,7 +239,8 @@ def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int
     """Seconds of a decode-mode target forward over 1..max_tokens tokens, then over each of `batch_sizes`, after
     `prefix` cached tokens (the verify forward the engine runs; attention over a short prefix is a small share).
     Sizes take turns, so a slow spell of a shared machine hits them all; each keeps its fastest run (the batch
-    sizes of the first BATCH_REPEATS turns), and a larger forward is never recorded as cheaper than a smaller one."""
+    sizes of the first BATCH_REPEATS turns), and a larger forward is never recorded as cheaper than a smaller one.
+    Then what a long cache adds (context_cost.measure_slopes)."""
     from specdecode.models.masks import chain_mask
 
     device = target.device
@@ -247,7 +264,9 @@ def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int
             best[j] = min(best[j], time.perf_counter() - start)
     for j in range(1, len(sizes)):
         best[j] = max(best[j], best[j - 1])
-    return CostCurve(tuple(best[:max_tokens]), tuple(zip(sizes[max_tokens:], best[max_tokens:])))
+    del cache
+    context = measure_slopes(target, dict(zip(sizes, best)), prefix, repeats)
+    return CostCurve(tuple(best[:max_tokens]), tuple(zip(sizes[max_tokens:], best[max_tokens:])), context=context)
 
 
 def valid(seconds: tuple[float, ...], tail: tuple[tuple[int, float], ...]) -> bool:
@@ -268,9 +287,10 @@ def load_cached(model_key: str, cache: Path | None = None) -> CostCurve | None:
         saved = json.loads(path.read_text())
         seconds = tuple(float(x) for x in saved["seconds"])
         tail = tuple((int(m), float(s)) for m, s in saved["batch_sizes"])
-    except (OSError, ValueError, KeyError, TypeError):
+        context = ContextCost.from_dict(saved["context"]) if "context" in saved else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # a damaged file is measured again
-    return CostCurve(seconds, tail, source=path) if valid(seconds, tail) else None
+    return CostCurve(seconds, tail, source=path, context=context) if valid(seconds, tail) else None
 
 
 def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None = None) -> CostCurve:
@@ -284,7 +304,7 @@ def load_or_measure(target: torch.nn.Module, model_key: str, cache: Path | None 
     curve = measure(target)
     path = curve_path(model_key, cache)
     save(path, curve, {"model": model_key, "machine": machine_key()[:200]})
-    return CostCurve(curve.seconds, curve.tail, source=path)
+    return CostCurve(curve.seconds, curve.tail, source=path, context=curve.context)
 
 
 def save(path: Path, curve: CostCurve, label: dict | None = None) -> None:

@@ -59,6 +59,7 @@ class Request:
     accepted_tokens: int  # draft tokens accepted so far
     drafts: int  # steps that verified a draft so far
     tokens_left: int  # new tokens it may still generate
+    cached: int = 0  # tokens in its cache: what its verify rows attend to
 
 
 # What the gate asks of a request it weighs, and only then (asking costs a scan of the drafter's state, and reading
@@ -105,6 +106,7 @@ class Planner:
         self.alone_key: int | None = None  # the request that decodes alone this step (None: several, or none)
         self.forward_s: float | None = None  # this step's target forward, where forwards are timed
         self.prefill = PrefillSizer()  # prompt rows a step, while others decode
+        self.step_costs = costs  # this step's prices: the curve at its decoding requests' context (context_cost.py)
 
     # --- a request's size -----------------------------------------------------------------------------------
 
@@ -143,7 +145,7 @@ class Planner:
         (`auto`: its size is the planner's to choose)."""
         if not auto:
             return FIXED
-        return StepPlan(self.costs, decoding - 1, decoding - 1 + prefill_rows)
+        return StepPlan(self.step_costs, decoding - 1, decoding - 1 + prefill_rows)
 
     def choose(self, decoding: list[Request], prefill_rows: int, lag: Lag | None = None) -> set[int]:
         """The decoding requests that draft this step: every fixed-size one, an automatic one decoding alone while
@@ -154,6 +156,7 @@ class Planner:
         request's steps on the dev sets (3 of 63 in one turn), its accepted length fell from 3.21 to 1.94 and its
         speedup from 1.17x to 1.09x ("One engine"). `lag`: what a request the gate weighs lacks (needed only
         when several decode). -> the keys of those that draft."""
+        self.step_costs = self._at_context(decoding)
         gated = [r for r in decoding if r.auto] if len(decoding) > 1 else []
         chosen = set(self._gate(gated, len(decoding), prefill_rows, lag)) if gated else set()
         alone = len(decoding) == 1 and not prefill_rows
@@ -162,7 +165,7 @@ class Planner:
             look = self.outlook[request.key]
             look.steady = request.proposed  # it drafted last step: no catching up in this step's time
             if alone and request.auto:  # its own record against its plain steps (alone.py)
-                drafts = look.alone.drafts(self.costs.cost(1))
+                drafts = look.alone.drafts(self.step_costs.cost(1))
             elif len(decoding) == 1:  # beside a prompt's chunk: its steps are not its own to time
                 drafts = True
             else:
@@ -191,7 +194,7 @@ class Planner:
         fixed_rows = sum(r.nodes for r in decoding if not r.auto)
         ranked = sorted(((score, i, node) for i, r in enumerate(proposed) for node, score in enumerate(r.scores)),
                         key=lambda t: (-t[0], t[1], t[2]))
-        keep = best_count(self.costs, [t[0] for t in ranked], draft_seconds, tokens=len(decoding),
+        keep = best_count(self.step_costs, [t[0] for t in ranked], draft_seconds, tokens=len(decoding),
                           rows=len(decoding) + fixed_rows, sunk_rows=prefill_rows)
         counts = [0] * len(proposed)
         for _, i, _ in ranked[:keep]:
@@ -202,12 +205,17 @@ class Planner:
         """Prompt rows this step feeds (prefill.py), beside about `decode_rows` decoding rows."""
         return self.prefill.rows(self.costs, decode_rows)
 
-    def observe(self, rows: int, seconds: float, prompt_rows: int = 0) -> None:
+    def observe(self, rows: int, seconds: float, prompt_rows: int = 0, parts: list[tuple[int, int]] = ()) -> None:
         """A target forward over `rows` rows, `prompt_rows` of them prompt chunks, took `seconds` (CPU only: CUDA
-        runs ahead of the clock)."""
+        runs ahead of the clock). `parts`: (rows, cached tokens) of each request's share, for what their caches
+        added: the in-use curve learns the forward's price after a short prefix, the one the curve is measured at."""
         self.forward_s = seconds
         self.prefill.observe(prompt_rows, seconds)
         if self.in_use is not None:
+            context = self.costs.context
+            if context is not None and parts:
+                # at least half its time stays: a context model measured too dear must not price rows at nothing
+                seconds = max(seconds - sum(context.seconds(m, cached) for m, cached in parts), 0.5 * seconds)
             self.costs = self.in_use.observe(rows, seconds)
 
     def learn(self, request: Request, num_accepted: int) -> None:
@@ -241,7 +249,7 @@ class Planner:
         their one-request time times C(k) / C(1). Until a drafter's cost per step is known (from any request of
         this engine), one request at a time drafts to learn it: a draft model's first draft costs it the prompt,
         which a full batch should not pay for every request. -> the keys of those that draft."""
-        costs = self.costs
+        costs = self.step_costs
         rows = decoding + prefill_rows  # prompt rows are paid for anyway: drafting is weighed against decoding
         base_seconds = costs.cost(decoding)
         chosen, candidates, explorer = [], [], None
@@ -285,6 +293,13 @@ class Planner:
         behind, forward_s = lag(request.key) if lag is not None else (0, 0.0)
         return catch_up_seconds(self.costs, behind, forward_s or (self.prior.draft_s or 0.0) / 4,
                                 request.tokens_left / (1.0 + gain))
+
+    def _at_context(self, decoding: list[Request]) -> CostCurve | None:
+        """The curve at this step's context: its decoding requests' mean cached tokens, each reading its own
+        cache (prompt chunks' attention is paid whatever is drafted, and left out)."""
+        if self.costs is None or self.costs.context is None or not decoding:
+            return self.costs
+        return self.costs.at(sum(r.cached for r in decoding) // len(decoding), len(decoding))
 
     def _gain(self, request: Request) -> float:
         """Expected accepted draft tokens per drafted step: the request's own record, leaning on the engine's."""
