@@ -10,7 +10,7 @@ What it checks and reports (and exits non-zero if a check fails):
 - the server's RSS after warm-up against its peak and its last reading (sampled every 5 s);
 - every greedy answer given under load equals the same prompt served alone (asked after the soak);
 - on SIGTERM with streams open, each of them ends with an error event or its end, then `[DONE]`, and the
-  server exits once drained.
+  server exits 0 once drained.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import importlib.util
 import json
 import random
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -136,12 +137,18 @@ def main() -> int:
         wave = await final_wave(url, model, lt, args, proc)
         return seen, alone, wave
 
+    # SIGTERM (a timeout around this script) as an exception: the server is stopped on the way out
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         seen, alone, wave = asyncio.run(run())
-        code = proc.wait(args.drain_timeout + 60)
+        try:
+            code = proc.wait(args.drain_timeout + 60)
+        except subprocess.TimeoutExpired:
+            code = f"still running {args.drain_timeout + 60:g} s after SIGTERM"
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
     valid = [s for s in seen if s["kind"] == "valid"]
     statuses = Counter(str(s["status"]) for s in valid)
     differing = defaultdict(set)
@@ -166,7 +173,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     ok = (statuses.get("200", 0) == len(valid) and not report["malformed_not_refused"]
           and not report["answers_differing_from_alone"]
-          and all(w["status"] in (200, "error-event") for w in wave))
+          and all(w["status"] in (200, "error-event") for w in wave) and code == 0)
     return 0 if ok else 1
 
 

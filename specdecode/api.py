@@ -31,6 +31,7 @@ from specdecode.methods import DEFAULT_METHOD, build_drafter, get_method, shape_
 from specdecode.models.prompt_cache import DEFAULT_PROMPT_CACHE_MB, PromptCache, check_size
 from specdecode.planner.budget import CostCurve, load_cached, load_or_measure
 from specdecode.rules.grammar import Constraint, GrammarCompiler
+from specdecode.text.chat_prompt import ChatEncoder
 from specdecode.text.stream import TextStream
 from specdecode.weights.loading import LoadPlan, load_models, plan_load
 from specdecode.weights.vocab_subset import DEFAULT_HEAD_SIZE
@@ -113,6 +114,7 @@ class SpecDecoder:
                              prompt_cache=PromptCache(prompt_cache_mb) if prompt_cache_mb else None)
         self._home = threading.get_ident()  # the thread that built it: where its models were loaded
         self._grammars: GrammarCompiler | None = None
+        self.chat = ChatEncoder(tokenizer)
 
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, *, options: LoadOptions | None = None,
@@ -153,18 +155,18 @@ class SpecDecoder:
         """Statistics of the request in progress or the last one."""
         return self.engine.last.stats if self.engine.last is not None else GenerationStats()
 
-    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
+    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False,
+               tools: list[dict] | None = None) -> list[int]:
         """Token ids for a raw prompt, a prompt wrapped as one user message (chat=True), a list of chat
-        messages ({"role", "content"} dicts; the chat template is applied), or ids passed through."""
+        messages ({"role", "content"} dicts; the chat template is applied, with `tools` if given), or ids passed
+        through. A raw prompt is the caller's own template: special token text in it becomes special tokens. In
+        chat messages it stays text (text/chat_prompt.py): only the template's markup opens and closes turns."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         if isinstance(prompt, str) and not chat:
             return self.tokenizer.encode(prompt)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise SpecdecodeError("this target has no chat template: send a raw prompt instead of chat messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.chat.encode(messages, tools)
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdecode.atomic_files import recover_folder
 from specdecode.drafters import (
     Drafter,
     DraftModelDrafter,
@@ -191,6 +192,8 @@ def trained_folder(name: str, draft: str | None) -> str | None:
     head = get_method(name).head
     if head is None:
         return None
+    if draft:
+        recover_folder(draft)  # a replacement a kill left halfway (atomic_files.py)
     if not draft or not Path(draft).is_dir():
         raise SpecdecodeError(f"--method {name} needs --draft DIR: the folder `specdecode train {head}` wrote"
                               + (f" ('{draft}' is not a folder)" if draft else ""))

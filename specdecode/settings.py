@@ -8,6 +8,7 @@ from (the cache folder, the native kernels' build).
     SPECDECODE_PREFETCH     nta, t0, t1 or t2: the kernels' prefetch hint instead of the CPU maker's default
     SPECDECODE_CPU_ARCH     the kernels' -march (e.g. x86-64-v3, to run the AVX2 paths on a larger CPU)
     SPECDECODE_API_KEY      the server's API key when --api-key is not given
+    CXX                     the compiler torch builds the kernels with (c++ if unset; another one builds its own copy)
     SPECDECODE_AMX, SPECDECODE_GUIDED_UNITS, SPECDECODE_TEAM, SPECDECODE_HUGE_PAGES
                             0: that kernel path off (the same bits either way: to compare speed; docs/bench.md)
 """
@@ -44,6 +45,7 @@ class Settings:
     prefetch: str | None = None  # None: the CPU maker's default (kernels.PREFETCH_HINTS)
     cpu_arch: str = "native"
     api_key: str | None = None
+    compiler: str = "c++"  # as torch.utils.cpp_extension reads CXX: the build key names it
     kernel_switches: KernelSwitches = KernelSwitches()
 
     def prefetch_hint(self, default: str) -> str:
@@ -65,6 +67,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         prefetch=env.get("SPECDECODE_PREFETCH") or None,
         cpu_arch=env.get("SPECDECODE_CPU_ARCH") or "native",
         api_key=env.get("SPECDECODE_API_KEY") or None,
+        compiler=env.get("CXX", "c++"),
         kernel_switches=KernelSwitches(*(env.get(f"SPECDECODE_{name}", "1") != "0"
                                          for name in ("AMX", "GUIDED_UNITS", "TEAM", "HUGE_PAGES", "BF16_DOTS"))),
     )

@@ -230,10 +230,10 @@ def test_a_build_killed_midway_does_not_block_the_next(tmp_path):
     """torch's lock file, left by a build that was killed, is removed under our lock; the lock excludes others."""
     import fcntl
 
-    from specdecode.kernels import build_lock
+    from specdecode.kernels.build import build_lock
 
     (tmp_path / "lock").write_text("")  # what a killed build leaves behind
-    with build_lock(tmp_path):
+    with build_lock(tmp_path, "a test build"):
         assert not (tmp_path / "lock").exists()
         with open(tmp_path / "build.lock") as other, pytest.raises(BlockingIOError):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process's build waits for this one

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from specdecode.api import DEFAULT_DRAFT, DEFAULT_TARGET, SpecDecoder, verify_costs
+from specdecode.atomic_files import recover_folder
 from specdecode.bench.data import load_prompts
 from specdecode.bench.harness import run_bench
 from specdecode.bench.loaders import (
@@ -142,6 +143,8 @@ def trained_folders(args: argparse.Namespace, methods: list[str]) -> dict[str, s
     for method, folder in head_folders(args).items():
         if any(m == method or m.startswith(f"{method}-") for m in methods):
             kind = METHODS[method].head
+            if folder:
+                recover_folder(folder)  # a replacement a kill left halfway (atomic_files.py)
             if not folder or not Path(folder).is_dir():
                 raise SpecdecodeError(f"method {method} needs --{kind} DIR: the folder `specdecode train {kind}` "
                                       "wrote" + (f" ('{folder}' is not a folder)" if folder else ""))

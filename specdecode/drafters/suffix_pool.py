@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import glob
 import hashlib
 import json
 import logging
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specdecode.atomic_files import fsync_folder
 from specdecode.errors import SpecdecodeError
 
 DEFAULT_POOL_MB = 64.0
@@ -41,6 +43,7 @@ BYTES_PER_TOKEN = 24  # each answer (4), the flat array (4), its sorted bigram k
 FORMAT = 1
 SAVE_EVERY_S = 30.0  # a pool with a file writes it at most this often while serving (and when closed)
 SEPARATOR = -1
+TEMPORARY = ".tmp"  # how a save's file ends until it is renamed over the pool's
 log = logging.getLogger("specdecode")
 
 
@@ -123,8 +126,10 @@ class SuffixPool:
         self.lock = threading.Lock()
         self.saving = False
         self.writer: threading.Thread | None = None
-        if self.path is not None and self.path.exists():
-            self._load(self.path)
+        if self.path is not None:
+            self._remove_stray_temporaries()
+            if self.path.exists():
+                self._load(self.path)
 
     def add(self, answer: list[int]) -> None:
         """Remember a finished answer (the oldest leave when the pool is full)."""
@@ -233,7 +238,7 @@ class SuffixPool:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             lengths = np.array([a.size for a in answers], dtype=np.int64)
             tokens = np.concatenate(answers) if answers else np.empty(0, dtype=np.int32)
-            handle, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+            handle, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=TEMPORARY)
             try:
                 with os.fdopen(handle, "wb") as f:
                     np.savez(f, format=np.array(FORMAT), fingerprint=np.array(self.fingerprint), lengths=lengths,
@@ -241,6 +246,7 @@ class SuffixPool:
                     f.flush()
                     os.fsync(f.fileno())  # on disk before the rename: a power cut leaves the old file or this one
                 os.replace(tmp, self.path)
+                fsync_folder(self.path.parent)  # the rename itself on disk
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
@@ -248,6 +254,15 @@ class SuffixPool:
             self.changed = True
             raise
         self.saved_at = time.monotonic()
+
+    def _remove_stray_temporaries(self) -> None:
+        """Delete what a save killed midway (SIGKILL, a power cut) left beside the file: one process per pool
+        file, so none of them is still being written."""
+        for stray in self.path.parent.glob(f"{glob.escape(self.path.name)}*{TEMPORARY}"):
+            try:
+                stray.unlink()
+            except OSError as e:
+                log.warning("specdecode: could not remove %s, left by an interrupted save: %s", stray, e)
 
     def _load(self, path: Path) -> None:
         try:

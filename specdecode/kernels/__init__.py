@@ -12,20 +12,19 @@ kernels, which are correct but neither flat in the number of tokens nor batch-in
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import logging
 import platform
 import shutil
-import sys
-from collections.abc import Iterator
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from specdecode import settings
+from specdecode.kernels.build import load_or_build
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("linear_cpu.cpp", "linear_bf16_tiles_cpu.cpp", "quant_cpu.cpp", "quant_c16_cpu.cpp", "quant_c16_legacy_cpu.cpp", "norm_cpu.cpp", "attention_cpu.cpp", "activation_cpu.cpp", "argmax_cpu.cpp", "sample_cpu.cpp", "embedding_cpu.cpp", "cache_cpu.cpp", "layer_cpu.cpp", "bindings.cpp")]
@@ -75,19 +74,26 @@ def prefetch_hint() -> str:
 @functools.cache
 def build_key() -> tuple[str, list[str]]:
     """-> (a key naming this build of the kernels, the compiler flags). One build per source version and torch
-    version; built for this CPU (-march=native), so keyed by its flags too. Timings cached elsewhere (the verify
-    cost curve) use the key too: new kernels are measured again."""
+    version; built for this CPU (-march=native), so keyed by its flags too; and by the compiler (CXX) and the
+    Python ABI it is built for. Not by paths (where the sources or the venv are, as this process spells them): a
+    finished build is loaded as it is (build.py), wherever it is imported from. Timings cached elsewhere (the
+    verify cost curve) use the key too: new kernels are measured again."""
     # at::parallel_for needs OpenMP. No FMA contraction of scalar code: every instantiation of a kernel must round
     # the same way. SPECDECODE_CPU_ARCH (e.g. x86-64-v3, AVX2 only) builds for a lesser CPU: to test the other paths
     # on this one.
-    arch = settings.current().cpu_arch
-    flags = [f"-march={arch}", "-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off", "-fopenmp",
-             f"-DSPECDECODE_PREFETCH_HINT=_MM_HINT_{prefetch_hint().upper()}"]
-    # The sources' folder too: ninja rebuilds whenever the paths in its build file change, so two checkouts sharing
-    # one build folder would rebuild each other's kernels in turn.
-    where = Path(__file__).parent.resolve()
-    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + f"{torch.__version__} {flags} {cpu_flags()} {where}".encode()
+    chosen = settings.current()
+    flags = [f"-march={chosen.cpu_arch}", "-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-ffp-contract=off",
+             "-fopenmp", f"-DSPECDECODE_PREFETCH_HINT=_MM_HINT_{prefetch_hint().upper()}"]
+    built_for = f"{torch.__version__} {flags} {cpu_flags()} {chosen.compiler} {sysconfig.get_config_var('SOABI')}"
+    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + built_for.encode()
     return hashlib.sha256(text).hexdigest()[:12], flags
+
+
+def build_arguments(name: str, build: Path, flags: list[str]) -> dict:
+    """torch.utils.cpp_extension.load's arguments for the kernels. The sources' resolved paths: what ninja would
+    compare with its last command does not change with how this process reached them (a symlink, PYTHONPATH)."""
+    return {"name": name, "sources": [str(path.resolve()) for path in SOURCES], "build_directory": str(build),
+            "extra_cflags": flags, "extra_ldflags": ["-fopenmp"], "verbose": False}
 
 
 @functools.cache
@@ -95,8 +101,6 @@ def cpu_kernels() -> ModuleType | None:
     flags_here = cpu_flags()
     if not {"avx2", "fma"} <= set(flags_here) or shutil.which("c++") is None and shutil.which("g++") is None:
         return None
-    from torch.utils import cpp_extension
-
     if shutil.which("ninja") is None:  # the pip-installed ninja lives in the environment, maybe not on PATH
         with contextlib.suppress(ImportError):
             import ninja
@@ -105,15 +109,10 @@ def cpu_kernels() -> ModuleType | None:
 
     key, flags = build_key()
     build = settings.cache_dir() / "kernels" / key
-    build.mkdir(parents=True, exist_ok=True)
-    if not any(build.glob("*.so")):
-        print("specdecode: building the native CPU kernels for this machine (once, 1-2 minutes)...", file=sys.stderr)
+    name = f"specdecode_cpu_kernels_{key}"
     try:
-        with build_lock(build):
-            kernels = cpp_extension.load(
-                name=f"specdecode_cpu_kernels_{key}", sources=[str(path) for path in SOURCES],
-                build_directory=str(build), extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
-            )  # fmt: skip
+        kernels = load_or_build(build, name, "torch.utils.cpp_extension:load", build_arguments(name, build, flags),
+                                "the native CPU kernels for this machine")
     except Exception as error:  # a missing compiler or headers must not stop generation: fall back, loudly
         log.warning("specdecode: native CPU kernel unavailable (%s); using PyTorch's kernels", error)
         return None
@@ -126,17 +125,3 @@ def cpu_kernels() -> ModuleType | None:
     kernels.set_team(switches.team)
     kernels.set_huge_pages(switches.huge_pages)
     return kernels
-
-
-@contextlib.contextmanager
-def build_lock(build: Path) -> Iterator[None]:
-    """One build at a time in `build`, under a lock the system drops when its holder dies. torch's own lock is a
-    file that a killed build leaves behind, and every later start then waits on it forever: held this lock, no
-    other build is alive, so such a file is stale and goes."""
-    with open(build / "build.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        (build / "lock").unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -71,12 +71,27 @@ class GrammarCompiler:
 
         return self._compile(LLMatcher.grammar_from_lark(grammar), "grammar")
 
+    def tool_calls(self, tools: list[dict], tool_choice: str | dict, many: bool = True) -> Constraint:
+        """Output that is calls of `tools` (text/tool_calls.call_grammar). Each tool's arguments schema is first
+        compiled alone: one that admits no arguments would otherwise fail only once a call's arguments begin."""
+        from specdecode.text.tool_calls import call_grammar
+
+        grammar = call_grammar(tools, tool_choice, many)  # a tool_choice naming no tool is refused first
+        for index, tool in enumerate(tools):
+            if parameters := tool["function"].get("parameters"):
+                try:
+                    self.json_schema(parameters)
+                except SpecdecodeError as e:
+                    raise SpecdecodeError(f"tools.{index}.function.parameters: {e}", "tools") from None
+        return self.lark(grammar)
+
     def _compile(self, grammar: str, what: str) -> Constraint:
         from llguidance import LLMatcher
 
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.info)
         if failed:
             raise SpecdecodeError(f"the {what} is not supported: {'; '.join(messages)}")
+        _check_first_token(LLMatcher(self.info, grammar), self.vocab_size, what)
         return Constraint(self, grammar)
 
 
@@ -159,6 +174,20 @@ class GrammarState:
             if self.matcher.is_stopped():
                 return
             _consume(self.matcher, token)
+
+
+def _check_first_token(matcher, vocab_size: int, what: str) -> None:
+    """Refuse a grammar that no output can start, before any request runs it: llguidance finds out only when it
+    masks the first token (a schema that is itself, {"$ref": "#"} or a $ref / allOf cycle, validates fine)."""
+    import llguidance.torch
+
+    if not matcher.is_error():
+        llguidance.torch.fill_next_token_bitmask(matcher, torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32))
+    if matcher.is_error():
+        reason = matcher.get_error().splitlines()[0]
+        raise SpecdecodeError(f"the {what} admits no output: most often a schema that refers to itself before any "
+                              "value begins ($ref to itself or to a $ref that leads back, allOf of itself), which "
+                              f"leaves nothing to generate; give the recursion a base case (llguidance: {reason})")
 
 
 def _walk_to(matcher, path: list[int], node: int, tokens: list[int], parents: list[int]) -> None:

@@ -55,7 +55,8 @@ def create_app(decoder, settings: ServerSettings, compute: ComputeThread | None 
     metrics = Metrics(settings.model_name, decoder.method, settings.replica)
     kv_budget = kv_budget_tokens(decoder.engine.target, settings.kv_cache_gib)
     scheduler = Scheduler(decoder, metrics, settings.max_waiting, settings.max_running, settings.max_per_client,
-                          kv_budget, compute, lambda: [hook() for hook in on_fatal], settings.request_timeout_s)
+                          kv_budget, compute, lambda: [hook() for hook in on_fatal], settings.request_timeout_s,
+                          settings.client_prompt_tokens_per_minute)
     service = CompletionService(decoder, scheduler, settings)
     playground = files("specdecode.server").joinpath("static/playground.html").read_text(encoding="utf-8")
 

@@ -37,7 +37,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="a request not done this long after it arrived ends with 504 (default: none)")
     p.add_argument("--max-connections", type=int, default=256,
-                   help="open connections at most; more are answered 503 at once (default 256)")
+                   help="connections served at once; requests on more get 503 at once, except /health and /ready "
+                        "(default 256)")
+    p.add_argument("--max-connections-per-address", type=int, default=64, metavar="N",
+                   help="open connections one client address may hold; more are refused with 429 (default 64; "
+                        "0: no cap; loopback and --trust-forwarded-for proxies are not capped)")
+    p.add_argument("--idle-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a new connection that sends nothing this long is closed (default 10)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a request's line and headers must all arrive this soon after their first byte, else 408 "
+                        "(default 10)")
+    p.add_argument("--max-header-bytes", type=int, default=64 * 1024, metavar="BYTES",
+                   help="a request line and headers longer than this get 431 (default 65536)")
     p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --target)")
     p.add_argument("--max-running", type=int, default=16,
                    help="requests batched together (one target forward per step serves them all; default 16)")
@@ -45,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="requests allowed to wait for a place in the batch; more get 503 (default 64)")
     p.add_argument("--max-per-client", type=int, default=32,
                    help="requests one client address may hold, running and waiting; more get 429 (default 32)")
+    p.add_argument("--client-prompt-tokens-per-minute", type=int, default=None, metavar="N",
+                   help="prompt tokens one client may send a minute (a long prompt may overdraw it once, then the "
+                        "client waits); more get 429 with Retry-After (default: no budget)")
     p.add_argument("--kv-cache-gib", type=float, default=4.0,
                    help="memory for the running requests' keys and values; a request reserves its prompt + "
                         "max_tokens (default 4)")
@@ -65,6 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     require("fastapi", "server", "specdecode serve")
     from specdecode.server.access import read_key_file  # here: the web stack costs every other command 0.3 s
+    from specdecode.server.connections import LOOPBACK, ConnectionLimits
 
     if args.replicas < 1:
         raise SpecdecodeError(f"--replicas must be >= 1, got {args.replicas}")
@@ -77,11 +92,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               trusted_proxies=_split(args.trust_forwarded_for),
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                               max_running=args.max_running, max_per_client=args.max_per_client,
+                              client_prompt_tokens_per_minute=args.client_prompt_tokens_per_minute,
                               kv_cache_gib=args.kv_cache_gib, request_timeout_s=args.request_timeout)
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise SpecdecodeError("--ssl-certfile and --ssl-keyfile go together")
-    if args.max_connections < 1:
-        raise SpecdecodeError(f"--max-connections must be >= 1, got {args.max_connections}")
+    limits = ConnectionLimits(max_connections=args.max_connections, max_per_address=args.max_connections_per_address,
+                              uncapped=(*LOOPBACK, *settings.trusted_proxies), idle_timeout_s=args.idle_timeout,
+                              header_timeout_s=args.header_timeout, max_head_bytes=args.max_header_bytes)
     if not settings.keys and not _is_loopback(args.host):
         print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach this port "
               "can use the model", file=sys.stderr)
@@ -105,8 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"specdecode: serving '{settings.model_name}' (method {decoder.method}) at {url}/v1 — playground: {url}/",
           file=sys.stderr)
     return serve(app, args.host, args.port, args.log_level, args.drain_timeout,
-                 dict(ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                      limit_concurrency=args.max_connections))
+                 dict(ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile), limits)
 
 
 def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:

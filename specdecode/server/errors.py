@@ -7,16 +7,21 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-# HTTP status -> OpenAI's error "type" (what their API sends for the same status).
+# HTTP status -> OpenAI's error "type" (what their API sends for the same status). The type says what the client
+# should do: fix the request (invalid_request_error), retry later (timeout_error: a deadline passed, the body's or
+# the request's; rate_limit_error; server_error), or check its key or model name.
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "timeout_error",
 }
 
 
@@ -34,8 +39,13 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": None if param is None else _printable(param), "code": code}}
+
+
+def _printable(text: str) -> str:
+    """A message that quotes the client's text must still encode as UTF-8 (a lone surrogate shows as \\udxxx)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(err: ApiError) -> JSONResponse:

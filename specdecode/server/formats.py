@@ -1,8 +1,9 @@
 """OpenAI response objects (completion, chat.completion and their stream chunks) built from engine output.
 
-Two additions, both ignored by OpenAI clients: `usage.speculative` (the request's drafted / accepted counts,
-acceptance rate, mean accepted length) and, on stream chunks, `specdecode` = {pieces, from_draft, stats}: the
-text of each token and whether it was an accepted draft token, which the playground highlights.
+Three additions, all ignored by OpenAI clients: `usage.speculative` (the request's drafted / accepted counts,
+acceptance rate, mean accepted length), llama-server's `timings` beside `usage` (whole answers and a stream's final
+chunk) and, on stream chunks, `specdecode` = {pieces, from_draft, stats}: the text of each token and whether it was
+an accepted draft token, which the playground highlights.
 """
 
 from __future__ import annotations
@@ -68,6 +69,33 @@ def usage(stats: dict[str, Any] | list[dict[str, Any]], method: str, num_draft_t
     }
 
 
+def timings(choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama-server's `timings`, its names and meanings, so clients that benchmark it read ours unchanged: the
+    prompt's `prompt_n` tokens computed (`cache_n` more came from the prompt cache) in `prompt_ms`, from the start
+    of prefill to the first token; `predicted_n` tokens (the first included) in `predicted_ms`, from the first
+    token to the last; `draft_n` / `draft_n_accepted` when anything was drafted. A rate over no time is None (null,
+    as llama-server's JSON writes infinity). `choices`: GenerationStats.to_dict() of each; they share one prefill."""
+    first = choices[0]
+    cached = first.get("cached_prompt_tokens", 0)
+    prompt_n, prompt_ms = first["prompt_tokens"] - cached, first["ttft_s"] * 1e3
+    predicted_n = sum(c["new_tokens"] for c in choices)
+    predicted_ms = max(c["wall_s"] - c["ttft_s"] for c in choices) * 1e3
+    out = {"cache_n": cached,
+           "prompt_n": prompt_n, "prompt_ms": prompt_ms, "prompt_per_token_ms": _per(prompt_ms, prompt_n),
+           "prompt_per_second": _per(prompt_n * 1e3, prompt_ms),
+           "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+           "predicted_per_token_ms": _per(predicted_ms, predicted_n),
+           "predicted_per_second": _per(predicted_n * 1e3, predicted_ms)}
+    drafted = sum(c["drafted_tokens"] for c in choices)
+    if drafted:
+        out |= {"draft_n": drafted, "draft_n_accepted": sum(c["accepted_tokens"] for c in choices)}
+    return out
+
+
+def _per(amount: float, over: float) -> float | None:
+    return amount / over if over > 0 else None
+
+
 def merged(choices: list[dict[str, Any]]) -> dict[str, Any]:
     """Several choices' statistics as one request's: counts add up, rates are recomputed."""
     out = dict(choices[0])
@@ -96,7 +124,8 @@ def completion(meta: Meta, answer: Answer, choices: list[Finished], usage_: dict
             text = (answer.echo or "") + done.text
             out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": done.finish_reason})
     return {"id": meta.id, "object": "chat.completion" if meta.chat else "text_completion",
-            "created": meta.created, "model": meta.model, "choices": out, "usage": usage_}
+            "created": meta.created, "model": meta.model, "choices": out, "usage": usage_,
+            "timings": timings([done.stats for done in choices])}
 
 
 def chunk(meta: Meta, text: str, finish_reason: str | None = None, role: bool = False,

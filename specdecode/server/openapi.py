@@ -34,6 +34,22 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class Timings(BaseModel):
+    """llama-server's per-request timings (formats.timings); draft_n and draft_n_accepted only when drafting."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float | None  # None: no prompt token was computed (all came from the cache)
+    prompt_per_second: float | None
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float | None
+    predicted_per_second: float | None  # None: one token, no time after it
+    draft_n: int | None = None
+    draft_n_accepted: int | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]  # None for an echoed prompt's first token
@@ -93,6 +109,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    timings: Timings
 
 
 class ChatResponse(CompletionResponse):

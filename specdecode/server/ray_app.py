@@ -130,6 +130,6 @@ def serve_forever(decoder_kwargs: dict, settings: ServerSettings, replicas: int,
         stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if received and received[0] == signal.SIGTERM:
-        signal.raise_signal(signal.SIGTERM)  # stopped as SIGTERM stops a process, as the one-process server does
-    return 130
+    if serving.is_set() and received:
+        return 0  # drained as asked, as the one-process server exits after its drain
+    return 128 + received[0] if received else 130  # stopped while deploying: as that signal stops a process

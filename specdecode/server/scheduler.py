@@ -7,8 +7,8 @@ each request the text its step released. Requests join and leave between steps.
 
 Fairness: a client is its peer address. Admission takes the waiting request of the client with the fewest
 requests running (the earliest among ties), so a client that sends many requests gets its turn like every
-other, never all the slots; and a client may hold at most `max_per_client` requests, running and waiting
-(beyond that: 429). The worker never waits on a client: every chunk goes into that request's asyncio queue via
+other, never all the slots; a client may hold at most `max_per_client` requests, running and waiting
+(beyond that: 429), and send at most its budget of prompt tokens a minute where one is set (budgets.py: 429). The worker never waits on a client: every chunk goes into that request's asyncio queue via
 `loop.call_soon_threadsafe`, so a slow reader only lets its own queue grow (bounded by max_tokens). A request
 whose client went away is cancelled: dropped if still waiting, or removed from the batch before the next step.
 """
@@ -28,6 +28,7 @@ from typing import Any
 from specdecode.api import release_text
 from specdecode.config import SamplingParams, choice_seed
 from specdecode.errors import SpecdecodeError
+from specdecode.server.budgets import PromptTokenBudget
 from specdecode.server.compute import ComputeThread
 from specdecode.server.metrics import Metrics
 from specdecode.text.stream import TextStream
@@ -111,10 +112,10 @@ class Scheduler:
     def __init__(self, decoder, metrics: Metrics, max_waiting: int, max_running: int = 16,
                  max_per_client: int = 32, kv_budget_tokens: int | None = None,
                  compute: ComputeThread | None = None, on_fatal: Callable[[], None] | None = None,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None, prompt_tokens_per_minute: int | None = None) -> None:
         """`compute`: the thread the decoder was loaded on, which then runs the engine (None: a thread of its own).
         `on_fatal`: called once if the engine loop dies (`specdecode serve` then exits non-zero, for a supervisor
-        to restart it)."""
+        to restart it). `prompt_tokens_per_minute`: each client's budget (budgets.py; None: none)."""
         self.decoder = decoder
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -125,6 +126,7 @@ class Scheduler:
         self._waiting: list[Job] = []
         self._running: list[Job] = []
         self._per_client: Counter[str] = Counter()  # running + waiting
+        self.prompt_budget = PromptTokenBudget(prompt_tokens_per_minute) if prompt_tokens_per_minute else None
         self._cond = threading.Condition()
         self._closing = threading.Event()
         self._draining = threading.Event()  # no new requests: the server is about to stop
@@ -160,15 +162,18 @@ class Scheduler:
         """Alive and taking new requests (not draining)."""
         return self.alive and not self._draining.is_set()
 
-    def drain(self, timeout: float) -> None:
+    def drain(self, timeout: float) -> int:
         """Stop taking requests and wait up to `timeout` seconds for those queued or running to finish; then stop
-        (the rest end with a 503 error their clients see). Call from any thread but the engine's."""
+        (the rest end with a 503 error their clients see) -> how many that was. Call from any thread but the
+        engine's."""
         self._draining.set()
         deadline = time.monotonic() + timeout
         with self._cond:
             while (self._waiting or self._running) and self.alive and time.monotonic() < deadline:
                 self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            cut = sum(len(j.members) for j in self._waiting) + len(self._running)
         self.stop()
+        return cut
 
     def check(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
               prediction: list[int] | None = None, n: int = 1) -> None:
@@ -178,8 +183,9 @@ class Scheduler:
     def submit(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
                client: str = "", prediction: list[int] | None = None, n: int = 1) -> Job:
         """Queue a request of `n` choices, one job each, admitted together (call from the event loop) -> the first
-        (`members`: all of them); with a seed, choice i draws from seed + i. Raises QueueFull past max_waiting requests in line, and ClientLimit when
-        this client would hold more than max_per_client."""
+        (`members`: all of them); with a seed, choice i draws from seed + i. Raises QueueFull past max_waiting requests in line, ClientLimit when
+        this client would hold more than max_per_client, and OverBudget when its prompt tokens are spent (the
+        choices share one prefill: the prompt counts once)."""
         with self._cond:
             if self._per_client[client] + n > self.max_per_client:
                 raise ClientLimit
@@ -187,6 +193,8 @@ class Scheduler:
                 raise ShuttingDown
             if self._closing.is_set() or len(self._waiting) >= self.max_waiting + self._free_slots():
                 raise QueueFull
+            if self.prompt_budget is not None:
+                self.prompt_budget.charge(client, len(prompt_ids))  # last: a request refused above costs nothing
             loop = asyncio.get_running_loop()
             jobs = [Job(prompt_ids, replace(params, seed=choice_seed(params.seed, i)),
                         num_draft_tokens, loop, client, prediction) for i in range(n)]

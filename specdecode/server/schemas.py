@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
 from specdecode.server.errors import ApiError
+from specdecode.server.json_body import load_json
 
 # Fields accepted only when they ask for nothing we would have to ignore: name -> neutral values.
 NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
@@ -288,12 +289,7 @@ class ChatRequest(SamplingFields):
 
 def parse_request(raw: bytes, model_cls: type[SamplingFields]) -> SamplingFields:
     """Raw body -> validated request, or an ApiError(400) whose message names every bad field."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is JSON nested too deeply") from None
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     body = _drop_neutral(body)

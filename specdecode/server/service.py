@@ -19,13 +19,13 @@ from specdecode.errors import SpecdecodeError
 from specdecode.planner.planner import Planner
 from specdecode.server.access import client_of
 from specdecode.server.answers import Answer, TokenTexts
+from specdecode.server.budgets import OverBudget
 from specdecode.server.errors import ApiError
 from specdecode.server.formats import Meta, completion, usage
 from specdecode.server.scheduler import ClientLimit, QueueFull, Scheduler, ShuttingDown
 from specdecode.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_request, sampling_params
 from specdecode.server.settings import ServerSettings
 from specdecode.server.streams import JobStream, collect
-from specdecode.text.tool_calls import call_grammar, render
 
 MAX_CHARS_PER_TOKEN = 32  # a prompt longer than the window times this cannot fit; a token is rarely over 10 chars
 
@@ -79,6 +79,11 @@ class CompletionService:
             raise ApiError(429, f"too many requests from this client: at most {self.settings.max_per_client} at "
                                 "once (running and waiting); retry when one has finished", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from None
+        except OverBudget as e:
+            wait = f"{e.retry_after_s:.0f}"
+            raise ApiError(429, f"this client has sent its {self.settings.client_prompt_tokens_per_minute} prompt "
+                                f"tokens a minute (the server's --client-prompt-tokens-per-minute): retry in {wait} s",
+                           code="rate_limit_exceeded", headers={"Retry-After": wait}) from None
 
         meta = Meta(req.model, chat)
         used_k = self.scheduler.default_num_draft_tokens if k is None else k
@@ -103,8 +108,8 @@ class CompletionService:
         fmt = req.response_format.as_dict() if req.response_format is not None else None
         try:
             if tools and choice != "auto":
-                grammar = call_grammar(tools, choice, many=req.parallel_tool_calls)
-                return await asyncio.to_thread(self.decoder.grammars.lark, grammar)
+                return await asyncio.to_thread(self.decoder.grammars.tool_calls, tools, choice,
+                                               req.parallel_tool_calls)
             if fmt is not None and fmt["type"] != "text":
                 return await asyncio.to_thread(self.decoder.response_format, fmt)
         except SpecdecodeError as e:  # JSON Schema cannot say which schemas the grammar engine supports
@@ -143,7 +148,7 @@ class CompletionService:
             # Off the event loop: a long prompt takes a while to tokenize, and other clients are streaming.
             ids = await asyncio.to_thread(self.decoder.encode, prompt, chat)
         except SpecdecodeError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), e.field or ("messages" if chat else "prompt")) from None
         if not ids:
             raise ApiError(400, "the prompt is empty after tokenization", "prompt")
         return ids
@@ -152,11 +157,10 @@ class CompletionService:
         tokenizer = self.decoder.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template to render tools with", "tools")
-        try:
-            text = await asyncio.to_thread(render, tokenizer, messages, tools)
+        try:  # the decoder's encode keeps special token text in messages and tools as text
+            return await asyncio.to_thread(self.decoder.encode, messages, True, tools)
         except SpecdecodeError as e:
-            raise ApiError(400, str(e), "tools") from None
-        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+            raise ApiError(400, str(e), e.field or "tools") from None
 
     async def _encode_prediction(self, req: SamplingFields) -> list[int] | None:
         if req.prediction is None:

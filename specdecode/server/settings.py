@@ -19,6 +19,7 @@ class ServerSettings:
     max_waiting: int = 64  # requests queued beyond those the batch can start at once; more get 503
     max_running: int = 16  # requests in the batch at once (one engine step serves them all)
     max_per_client: int = 32  # requests one client (peer address) may hold, running and waiting; more get 429
+    client_prompt_tokens_per_minute: int | None = None  # prompt tokens one client may send a minute (budgets.py)
     kv_cache_gib: float = 4.0  # keys and values the running requests may reserve together
     replica: str | None = None  # this server's name among replicas (Ray Serve), a label on its metrics
     keepalive_s: float = 10.0  # an SSE comment this often while a stream waits, so proxies keep it open
@@ -39,6 +40,9 @@ class ServerSettings:
         for name in ("max_running", "max_per_client"):
             if getattr(self, name) < 1:
                 raise SpecdecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.client_prompt_tokens_per_minute is not None and self.client_prompt_tokens_per_minute < 1:
+            raise SpecdecodeError("--client-prompt-tokens-per-minute must be >= 1, got "
+                                  f"{self.client_prompt_tokens_per_minute}")
         if not self.kv_cache_gib > 0 or not self.keepalive_s > 0:
             raise SpecdecodeError("--kv-cache-gib and the keep-alive interval must be > 0")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0 or not self.body_timeout_s > 0:

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from specdecode.server.answers import Answer, Finished
 from specdecode.server.errors import ApiError, error_body
-from specdecode.server.formats import DONE, Meta, chunk, live_stats, sse, usage_chunk
+from specdecode.server.formats import DONE, Meta, chunk, live_stats, sse, timings, usage_chunk
 from specdecode.server.scheduler import Chunk, Failure, Job
 
 KEEPALIVE_S = 10.0  # default seconds between SSE keep-alive comments
@@ -71,10 +71,15 @@ async def sse_events(jobs: list[Job], meta: Meta, answer: Answer, make_usage: Us
                 break
             text = "".join(event.pieces)
             done = event.finish_reason is not None
+            if done:
+                finals[index] = event.stats
+            last = done and len(finals) == len(jobs)
+            # llama-server's timings ride on the stream's final chunk: this one, or the usage chunk after it
+            final = {"timings": timings([finals[i] for i in range(len(jobs))])} if last and not include_usage else {}
             if answer.tools is not None:
                 held[index] += text
                 if done:
-                    yield sse(tool_chunk(meta, answer, index, held[index], event))
+                    yield sse(tool_chunk(meta, answer, index, held[index], event) | final)
             else:
                 prompt = None
                 if not echoed[index]:  # echo: the prompt opens each choice's first chunk, with its logprobs
@@ -87,13 +92,12 @@ async def sse_events(jobs: list[Job], meta: Meta, answer: Answer, make_usage: Us
                     extension = {"pieces": event.pieces, "from_draft": event.from_draft,
                                  "drafted_by": event.drafted_by, "stats": live_stats(event.stats)}
                     yield sse(chunk(meta, text, event.finish_reason, extension=extension, index=index,
-                                    logprobs=logprobs))
-            if done:
-                finals[index] = event.stats
-                if len(finals) == len(jobs):
-                    if include_usage:
-                        yield sse(usage_chunk(meta, make_usage([finals[i] for i in range(len(jobs))])))
-                    break
+                                    logprobs=logprobs) | final)
+            if last:
+                if include_usage:
+                    stats = [finals[i] for i in range(len(jobs))]
+                    yield sse(usage_chunk(meta, make_usage(stats)) | {"timings": timings(stats)})
+                break
     yield DONE
 
 

@@ -93,12 +93,20 @@ def call_grammar(tools: list[dict], tool_choice: str | dict, many: bool = True) 
         allowed = tools
     schemas = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                 "properties": {"name": {"const": t["function"]["name"]},
-                               "arguments": t["function"].get("parameters") or {"type": "object"}}}
-               for t in allowed]
+                               "arguments": own_root(t["function"].get("parameters"), i)}}
+               for i, t in enumerate(allowed)]
     call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     start = 'start: call ("\\n" call)*\n' if many else "start: call\n"
     return (start + f'call: {json.dumps(OPEN)} "\\n" body "\\n" {json.dumps(CLOSE)}\n'
             f"body: %json {json.dumps(call)}\n")
+
+
+def own_root(parameters: dict | None, index: int) -> dict:
+    """A tool's arguments schema as it is embedded in the call's: with a base URI of its own ($id), so that its
+    `#` and `#/$defs/...` references point into it, not into the call object around it."""
+    if not parameters:
+        return {"type": "object"}
+    return parameters if "$id" in parameters else {"$id": f"urn:specdecode:tool-{index}", **parameters}
 
 
 def parse(text: str, tools: list[dict]) -> tuple[str | None, list[ToolCall]]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdecode.atomic_files import recover_folder, replace_folder, staging_folder
 from specdecode.errors import SpecdecodeError
 from specdecode.weights.quantize import quantize_
 
@@ -41,29 +40,24 @@ def target_fingerprint(target: torch.nn.Module) -> str:
 
 def save(out: Path, kind: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], target: torch.nn.Module,
          target_name: str, extra: dict[str, Any] | None = None) -> None:
-    """Write the folder whole under a name of this process's own, then put it in place: an interrupted run leaves
-    the folder as it was, never weights and a config that do not match."""
+    """Write the folder whole under a name of this process's own, then put it in place (atomic_files.py): a run
+    killed at any point leaves the old folder or the new one, never weights and a config that do not match."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
+    recover_folder(out)
+    staging = staging_folder(out)
     staging.mkdir()
     meta = {"kind": kind, "target": target_name, "target_fingerprint": target_fingerprint(target),
             "config": config, **(extra or {})}
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(staging / WEIGHTS))
     (staging / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
-    if out.exists():
-        old = out.with_name(f".{out.name}.{os.getpid()}.old")
-        os.replace(out, old)
-        os.replace(staging, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, out)
+    replace_folder(staging, out)
 
 
 def read_meta(folder: str | Path, kind: str | None = None) -> dict[str, Any]:
     """The folder's config.json, checked to be a `kind` drafter's (None: any kind)."""
     folder = Path(folder)
+    recover_folder(folder)
     path = folder / CONFIG
     if not path.is_file():
         raise SpecdecodeError(f"{folder}: no {CONFIG} here; pass the folder `specdecode train {kind or 'KIND'}` "
