@@ -10,7 +10,11 @@ What it checks and reports (and exits non-zero if a check fails):
 - the server's RSS after warm-up against its peak and its last reading (sampled every 5 s);
 - every greedy answer given under load equals the same prompt served alone (asked after the soak);
 - on SIGTERM with streams open, each of them ends with an error event or its end, then `[DONE]`, and the
-  server exits 0 once drained.
+  server exits 0 once drained;
+- with `--idle-sockets N`: N connections that never send a byte, held open beside the clients the whole time
+  (reopened as the server closes or refuses them), from `--idle-from` (another loopback address, so the
+  per-address cap meets them as it would one hostile host); `/health` asked every second must answer 200 within
+  `--health-deadline` seconds throughout.
 """
 
 from __future__ import annotations
@@ -86,11 +90,49 @@ async def client(url: str, model: str, lt, rng: random.Random, until: float, arg
             seen.append({"kind": "left" if leave else "valid", "prompt": prompt, **result})
 
 
-async def soak(url: str, model: str, lt, args) -> list[dict]:
+async def idle_socket(host: str, port: int, source: str, until: float, opened: Counter) -> None:
+    """One connection that sends nothing, open until `until`: reopened whenever the server closes or refuses it."""
+    while time.monotonic() < until:
+        try:
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
+        except OSError:
+            opened["failed"] += 1
+            await asyncio.sleep(0.5)
+            continue
+        opened["opened"] += 1
+        try:
+            await asyncio.wait_for(reader.read(), max(0.1, until - time.monotonic()))  # b'' (or a refusal) when closed
+            opened["closed_by_server"] += 1
+        except (asyncio.TimeoutError, OSError):
+            pass
+        finally:
+            writer.close()
+        await asyncio.sleep(0.2)
+
+
+async def probe_health(url: str, until: float, deadline: float, seen: list) -> None:
+    """GET /health every second -> (status or error, seconds) each time."""
+    async with httpx.AsyncClient(base_url=url, timeout=deadline) as http:
+        while time.monotonic() < until:
+            began = time.monotonic()
+            try:
+                status = (await http.get("/health")).status_code
+            except httpx.HTTPError as e:
+                status = type(e).__name__
+            seen.append((status, time.monotonic() - began))
+            await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - began)))
+
+
+async def soak(url: str, model: str, lt, args) -> tuple[list[dict], list, Counter]:
     seen: list[dict] = []
+    health: list = []
+    sockets: Counter = Counter()
     until = time.monotonic() + args.minutes * 60
-    await asyncio.gather(*(client(url, model, lt, random.Random(i), until, args, seen) for i in range(args.clients)))
-    return seen
+    host, port = url.split("//")[1].rsplit(":", 1)
+    idle = [idle_socket(host, int(port), args.idle_from, until, sockets) for _ in range(args.idle_sockets)]
+    await asyncio.gather(*idle, probe_health(url, until, args.health_deadline, health),
+                         *(client(url, model, lt, random.Random(i), until, args, seen) for i in range(args.clients)))
+    return seen, health, sockets
 
 
 async def final_wave(url: str, model: str, lt, args, proc) -> list[dict]:
@@ -113,6 +155,9 @@ def main() -> int:
     p.add_argument("--disconnect", type=float, default=0.1, help="chance a request's client leaves mid-stream")
     p.add_argument("--malformed", type=float, default=0.05, help="chance a request is malformed")
     p.add_argument("--drain-timeout", type=float, default=5.0)
+    p.add_argument("--idle-sockets", type=int, default=0, help="connections held open that never send a byte")
+    p.add_argument("--idle-from", default="127.0.0.2", help="the loopback address the idle sockets come from")
+    p.add_argument("--health-deadline", type=float, default=2.0, help="seconds /health may take to answer")
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args()
     lt = load_test()
@@ -130,17 +175,17 @@ def main() -> int:
         nonlocal stop_sampling
         sampler = asyncio.ensure_future(sample())
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        seen = await soak(url, model, lt, args)
+        seen, health, sockets = await soak(url, model, lt, args)
         alone = await lt.alone(url, model, args.max_tokens, {})
         stop_sampling = True
         await sampler
         wave = await final_wave(url, model, lt, args, proc)
-        return seen, alone, wave
+        return seen, alone, wave, health, sockets
 
     # SIGTERM (a timeout around this script) as an exception: the server is stopped on the way out
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
-        seen, alone, wave = asyncio.run(run())
+        seen, alone, wave, health, sockets = asyncio.run(run())
         try:
             code = proc.wait(args.drain_timeout + 60)
         except subprocess.TimeoutExpired:
@@ -167,13 +212,17 @@ def main() -> int:
         "rss_mib_last": round(warm[-1], 1),
         "sigterm_streams": len(wave), "sigterm_endings": dict(Counter(str(w["status"]) for w in wave)),
         "exit_code": code,
+        "idle_sockets": args.idle_sockets, "idle_socket_events": dict(sockets),
+        "health_checks": len(health), "health_not_ok": sum(status != 200 for status, _ in health),
+        "health_max_s": round(max((t for _, t in health), default=0.0), 3),
     }
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     ok = (statuses.get("200", 0) == len(valid) and not report["malformed_not_refused"]
           and not report["answers_differing_from_alone"]
-          and all(w["status"] in (200, "error-event") for w in wave) and code == 0)
+          and all(w["status"] in (200, "error-event") for w in wave) and code == 0
+          and report["health_not_ok"] == 0)
     return 0 if ok else 1
 
 

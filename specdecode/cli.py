@@ -1,22 +1,24 @@
 """Command line: `specdecode generate | models | bench | serve | train` (each registers in `build_parser`).
 
-Errors a user can fix (SpecdecodeError) print as one line on stderr with exit code 2, never a traceback.
+Errors a user can fix (SpecdecodeError) print as one line on stderr with exit code 2, never a traceback. Ctrl-C
+exits 130 without one, also in the first seconds, while torch loads: this module imports only the standard
+library at the top, and the subcommands (torch among them) load inside `main` (exit_at_once_on_ctrl_c).
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
-from specdecode.advise.cli import add_parser as add_advise_parser
-from specdecode.bench.cli import add_parser as add_bench_parser
-from specdecode.cli_args import add_model_args, add_sampling_args, load_decoder, sampling_params
 from specdecode.errors import SpecdecodeError
-from specdecode.methods import get_method, shape_of
-from specdecode.server.cli import add_parser as add_serve_parser
-from specdecode.training.cli import add_parser as add_train_parser
 
 ACCEPTED_COLOR, RESET = "\033[32m", "\033[0m"  # green: tokens the drafter guessed and the target accepted
 
@@ -39,7 +41,39 @@ def read_schema(path: str | None) -> dict | None:
         raise SpecdecodeError(f"--json-schema {path}: cannot read it as a JSON schema ({e})") from None
 
 
+def command_line_text(value: str, what: str, encoding: str) -> str:
+    """A command-line argument as text. Python hands bytes that are not UTF-8 (in a UTF-8 locale) over as lone
+    surrogates (surrogateescape), which no tokenizer takes: -> the text in `encoding`, or one clear error."""
+    try:
+        raw = os.fsencode(value)  # the bytes as the shell passed them
+    except UnicodeEncodeError:  # a lone surrogate of another kind: from Python code, not from a shell
+        raise SpecdecodeError(f"the {what} holds a lone surrogate (\\ud800-\\udfff), which is no text; "
+                              "remove it") from None
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as e:
+        hint = ("convert it (iconv -f latin1 -t utf-8) or name its encoding with --prompt-encoding, e.g. latin-1"
+                if codecs.lookup(encoding).name == "utf-8" else "name its encoding with --prompt-encoding")
+        raise SpecdecodeError(f"the {what} is not {encoding} text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
+                              f"{hint}") from None
+
+
+def read_command_line_text(args: argparse.Namespace) -> None:
+    """The prompt and the stop strings, decoded as --prompt-encoding says, in place."""
+    try:
+        codecs.lookup(args.prompt_encoding)
+    except LookupError:
+        raise SpecdecodeError(f"--prompt-encoding {args.prompt_encoding}: not an encoding Python knows "
+                              "(e.g. utf-8, latin-1, cp1252)") from None
+    args.prompt = command_line_text(args.prompt, "prompt", args.prompt_encoding)
+    args.stop = [command_line_text(s, f"--stop {s!r}", args.prompt_encoding) for s in args.stop or []] or None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from specdecode.cli_args import load_decoder, sampling_params
+    from specdecode.methods import get_method, shape_of
+
+    read_command_line_text(args)
     params = sampling_params(args)  # validate before the slow model load
     prediction = read_prediction(args.prediction)
     schema = read_schema(args.json_schema)
@@ -65,13 +99,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"--- choice {i} ({choice['finish_reason']})\n{choice['text']}")
         return 0
     color = sys.stdout.isatty()
-    for chunk in decoder.stream(args.prompt, params, chat=args.chat, prediction=prediction):
-        for piece, drafted in zip(chunk.pieces, chunk.from_draft):
-            sys.stdout.write(f"{ACCEPTED_COLOR}{piece}{RESET}" if color and drafted and piece else piece)
-        sys.stdout.flush()
+    interrupted = False
+    try:
+        for chunk in decoder.stream(args.prompt, params, chat=args.chat, prediction=prediction):
+            for piece, drafted in zip(chunk.pieces, chunk.from_draft):
+                sys.stdout.write(f"{ACCEPTED_COLOR}{piece}{RESET}" if color and drafted and piece else piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # Ctrl-C mid-answer: end the line, say what was generated, exit 130
+        interrupted = True
     s = decoder.stats
     shape = f" {shape_of(args.method, args.draft_shape)}" if get_method(args.method).drafts else ""
-    print(f"\n\n[{args.method}{shape}] {s.new_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.2f} tok/s), "
+    print(f"\n\n[{args.method}{shape}]{' interrupted:' if interrupted else ''} {s.new_tokens} tokens in "
+          f"{s.wall_s:.2f}s ({s.tokens_per_s:.2f} tok/s), "
           f"mean accepted length {s.mean_accepted_length:.2f}, draft tokens verified per step "
           f"{s.nodes_per_step:.1f} ({s.draft_budget}), acceptance {s.acceptance_rate:.1%}, "
           f"TTFT {s.ttft_s * 1000:.0f} ms"
@@ -80,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
           + (", accepted by drafter: " + ", ".join(f"{name} {a}/{d}" for name, (d, a) in s.by_drafter.items())
              if len(s.by_drafter) > 1 else "") + (" — green: accepted draft tokens" if color else ""),
           file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -96,11 +135,20 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specdecode.advise.cli import add_parser as add_advise_parser
+    from specdecode.bench.cli import add_parser as add_bench_parser
+    from specdecode.cli_args import add_model_args, add_sampling_args
+    from specdecode.server.cli import add_parser as add_serve_parser
+    from specdecode.training.cli import add_parser as add_train_parser
+
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt")
+    gen.add_argument("--prompt-encoding", default="utf-8", metavar="ENCODING",
+                     help="the encoding of the prompt's and --stop strings' bytes where they are not UTF-8 "
+                          "(e.g. latin-1 for `\"$(cat latin1.txt)\"`)")
     add_model_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -131,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    with exit_at_once_on_ctrl_c():
+        parser = build_parser()  # imports every subcommand, torch among them: most of a start's first seconds
+    args = parser.parse_args(argv)
+    previous = exit_on_sigterm()
     try:
         return args.func(args)
     except SpecdecodeError as e:
@@ -139,3 +190,40 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def exit_at_once_on_ctrl_c() -> Iterator[None]:
+    """While the subcommands import, Ctrl-C ends the process at once with status 130: nothing is written or started
+    yet, and a KeyboardInterrupt raised there can be swallowed (torch's C extension imports numpy and carries on
+    without it when that import fails), so the run went on with a half-imported numpy and died later with an
+    unrelated traceback. Left as it is off the main thread, or where the caller handles SIGINT itself."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _interrupted_while_loading)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_while_loading(signum: int, _frame) -> None:
+    os._exit(128 + signum)
+
+
+def exit_on_sigterm() -> signal.Handlers | None:
+    """SIGTERM as SystemExit(143) rather than a kill, so that atexit runs and what was learned (the suffix pool)
+    is saved -> the handler it replaced, None where it left another one (or is not on the main thread). `serve`
+    puts its own in while it serves: a drain, then exit 0."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "specdecode"
 
 # room (a top-level module or package of specdecode/) -> its floor; docs/architecture.md draws the same picture
 FLOORS = {
-    "kernels": 0, "text": 0, "config": 0, "settings": 0, "errors": 0, "jsonl": 0, "atomic_files": 0,
+    "kernels": 0, "text": 0, "config": 0, "settings": 0, "errors": 0, "jsonl": 0, "atomic_files": 0, "devices": 0,
     "models": 1, "sampling": 1,
     "planner": 2, "weights": 2, "rules": 2, "verify": 2,
     "drafters": 3,

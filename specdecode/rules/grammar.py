@@ -30,8 +30,9 @@ JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x
 
 
 class GrammarCompiler:
-    """Turns grammars into `Constraint`s for one tokenizer; what the tokenizer costs (~2 s for 150k tokens) is
-    paid once, at the first constraint."""
+    """Turns grammars into `Constraint`s for one tokenizer; what the tokenizer costs (~0.8 s for Qwen2.5's 152k
+    tokens on 2 cores, llguidance's own tables) is paid once, at the first constraint. That cost stays per process:
+    llguidance cannot save those tables, and rebuilding them from a saved token list gave other masks."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         self.tokenizer = tokenizer
@@ -43,11 +44,8 @@ class GrammarCompiler:
     def info(self):
         if self._info is None:
             require("llguidance", "grammar", "structured output (JSON schemas, tool calls)")
-            import llguidance.hf
-
             try:
-                self._info = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                          eos_token=self.eos_ids or None)
+                self._info = _llguidance_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids or None)
             except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read: say so plainly
                 raise SpecdecodeError(f"structured output needs a fast (Rust) Hugging Face tokenizer; this one "
                                       f"cannot be used: {e}") from None
@@ -137,8 +135,6 @@ class GrammarState:
     def mask(self, logits: torch.Tensor, tokens: list[int], parents: list[int], rows: list[int]) -> None:
         """In place on logits [len(rows), vocab]: row r keeps only the tokens the grammar allows after the path to
         draft node rows[r] (-1: the root); every node on those paths is legal (`legal_nodes` cut the draft)."""
-        import llguidance.torch
-
         bitmask = torch.zeros(len(rows), self.words, dtype=torch.int32)
         path: list[int] = []
         walker = self.matcher.deep_copy()  # the request's own matcher only ever moves forward
@@ -148,7 +144,7 @@ class GrammarState:
                     bitmask[r, eos // 32] |= _bit(eos % 32)
                 continue
             _walk_to(walker, path, node, tokens, parents)
-            llguidance.torch.fill_next_token_bitmask(walker, bitmask, r)
+            fill_mask_row(walker, bitmask, r)
         dead = torch.from_numpy(~bitmask.numpy().any(-1))
         if bool(dead.any()) and self.eos_ids:  # a grammar that allows nothing more (a dead end) can only end
             eos = self.eos_ids[0]
@@ -179,15 +175,38 @@ class GrammarState:
 def _check_first_token(matcher, vocab_size: int, what: str) -> None:
     """Refuse a grammar that no output can start, before any request runs it: llguidance finds out only when it
     masks the first token (a schema that is itself, {"$ref": "#"} or a $ref / allOf cycle, validates fine)."""
-    import llguidance.torch
-
     if not matcher.is_error():
-        llguidance.torch.fill_next_token_bitmask(matcher, torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32))
+        fill_mask_row(matcher, torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32), 0)
     if matcher.is_error():
         reason = matcher.get_error().splitlines()[0]
         raise SpecdecodeError(f"the {what} admits no output: most often a schema that refers to itself before any "
                               "value begins ($ref to itself or to a $ref that leads back, allOf of itself), which "
                               f"leaves nothing to generate; give the recursion a base case (llguidance: {reason})")
+
+
+def fill_mask_row(matcher, bitmask: torch.Tensor, row: int) -> None:
+    """Row `row` of the [rows, words] int32 bitmask: the tokens `matcher` allows next. What
+    llguidance.torch.fill_next_token_bitmask does, without importing that module: it compiles a kernel with
+    torch.compile as it loads, which loads torch._dynamo (4-5 s of a CLI call's grammar setup on 2 cores)."""
+    words = bitmask[row]
+    if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not words.is_contiguous():
+        raise ValueError("the bitmask must be a contiguous int32 tensor on the CPU")
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+
+def _llguidance_tokenizer(tokenizer, vocab_size: int, eos_ids: list[int] | None):
+    """llguidance's tables for a fast HF tokenizer. llguidance.hf.from_tokenizer copies the Rust tokenizer first
+    (0.3-0.5 s for 152k tokens) only to switch padding and truncation off on the copy: where neither is on, its
+    JSON is read as it is, the same string, so the same tables."""
+    from llguidance import LLTokenizer
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.padding is None and backend.truncation is None:
+        return LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                           eos_token=tokenizer.eos_token_id if eos_ids is None else eos_ids)
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids)
 
 
 def _walk_to(matcher, path: list[int], node: int, tokens: list[int], parents: list[int]) -> None:

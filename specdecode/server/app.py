@@ -5,8 +5,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /health (the
 engine runs), GET /ready (and takes requests: 503 while draining), GET /metrics (Prometheus), GET / (the
-playground page). With an API key, /v1/* needs the bearer token; /health,
-/metrics and the page itself do not (the page asks for the key and sends it with its own requests).
+playground page), GET /openapi.json and GET /docs (FastAPI's interactive page over it). With an API key, /v1/*
+needs the bearer token; /health, /metrics, the pages and the OpenAPI document do not (the pages ask for the key and
+send it with their own requests).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def create_app(decoder, settings: ServerSettings, compute: ComputeThread | None 
         yield
         await asyncio.to_thread(scheduler.stop)
 
-    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # /docs: Swagger UI, whose script and style the reader's browser loads from a CDN (docs/server.md)
+    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     keys = settings.keys
     auth = (401,) if keys else ()
     install_openapi(app, settings.model_name, bool(keys),
