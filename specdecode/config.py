@@ -1,7 +1,8 @@
 """Plain configuration records: the model's shape, how to sample, how to speculate.
 
 `ModelConfig.from_hf` is the one place where a Hugging Face `config.json` is translated into the flags that
-`model.py` understands (qkv bias, q/k norm, tied embeddings, rope scaling); unknown keys are dropped.
+`model.py` understands (qkv bias, q/k norm, tied embeddings, rope scaling, Gemma 3's norms, activation and sliding
+windows, Qwen3-MoE's experts); unknown keys are dropped.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from typing import Any
 from specdecode.errors import SpecdecodeError
 
 # Families model.py implements natively; anything else goes through hf_model.HFModel.
-NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe")
+# GGUF `general.architecture` names of the same families (a GGUF's gemma3 is transformers' gemma3_text)
+NATIVE_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe")
+GEMMA_TYPES = ("gemma3_text",)
+MOE_TYPES = ("qwen3_moe",)  # a mixture-of-experts MLP in some layers (models/experts.py)
+NATIVE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 NATIVE_ROPE_SCALING = ("linear", "llama3")
 MAX_TOP_LOGPROBS = 20  # alternatives per token OpenAI allows
 
@@ -34,6 +40,29 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3's differences from the llama layer (the defaults are llama's):
+    hidden_act: str = "silu"  # of the gated MLP
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size), in the embedding's dtype
+    norm_unit_offset: bool = False  # RMSNorm weights applied as (1 + w), in float32 (HF checkpoints; GGUF adds the 1)
+    sandwich_norms: bool = False  # four norms a layer: after attention and around the MLP (pre- and post-)
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5, not head_dim**-0.5
+    sliding_window: int | None = None  # a local layer's query at position p sees keys at (p - window, p]
+    local_layers: tuple[int, ...] = ()  # the layers with the sliding window (and their own rope theta)
+    rope_local_theta: float | None = None  # those layers' rope theta
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Mixture of experts (Qwen3-MoE, models/experts.py): the layers whose MLP is the experts, and their shape
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top k weights renormalised to sum to 1
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer is the plain llama layer, the one the native decode stack (kernels) implements."""
+        return (self.hidden_act == "silu" and not self.embed_scale and not self.norm_unit_offset
+                and not self.sandwich_norms and self.query_pre_attn_scalar is None and not self.local_layers
+                and self.final_logit_softcapping is None and not self.moe_layers)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -44,6 +73,8 @@ class ModelConfig:
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        gemma = _gemma_flags(hf) if model_type in GEMMA_TYPES else {}
+        experts = _moe_flags(hf) if model_type in MOE_TYPES else {}
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -53,15 +84,66 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(hf),
-            rope_scaling=_rope_scaling(hf),
+            rope_theta=gemma.pop("rope_theta", None) or _rope_theta(hf),
+            rope_scaling=gemma.pop("rope_scaling") if gemma else _rope_scaling(hf),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and never writes the flag; Llama-style configs say attention_bias.
             qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", *GEMMA_TYPES, *MOE_TYPES),
             eos_token_ids=eos_ids,
+            **gemma,
+            **experts,
         )
+
+
+def _moe_flags(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's fields of ModelConfig: the experts' shape and routing, and which layers have them (every
+    decoder_sparse_step-th layer but those in mlp_only_layers, as transformers builds them)."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(hf["num_hidden_layers"]) if experts and i not in dense and (i + 1) % step == 0)
+    return dict(moe_layers=layers, num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+                moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def _gemma_flags(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields of ModelConfig: its norms, activation, attention scale, local layers and their rope."""
+    if hf.get("attn_logit_softcapping") is not None or hf.get("use_bidirectional_attention"):
+        raise SpecdecodeError("attention logit softcapping and bidirectional attention have no native "
+                              "implementation (loading.load_model runs such a model through transformers)")
+    if (act := hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh") not in NATIVE_ACTIVATIONS:
+        raise SpecdecodeError(f"activation '{act}' has no native implementation (loading.load_model runs such a "
+                              "model through transformers)")
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one rope per layer type
+        global_rope, local_rope = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:  # older configs: the global rope at the top level, the local layers' theta beside it
+        global_rope = dict(params, rope_theta=hf.get("rope_theta") or params.get("rope_theta") or 1_000_000.0)
+        local_rope = {"rope_theta": hf.get("rope_local_base_freq") or 10_000.0}
+    if (local_rope.get("rope_type") or "default") != "default":
+        raise SpecdecodeError("rope scaling on sliding-window layers has no native implementation "
+                              "(loading.load_model runs such a model through transformers)")
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % (hf.get("sliding_window_pattern") or 6) == 0 else "sliding_attention"
+        for i in range(layers)]
+    window = hf.get("sliding_window")
+    scalar = hf.get("query_pre_attn_scalar")
+    return dict(
+        rope_theta=float(global_rope.get("rope_theta") or 1_000_000.0),
+        rope_scaling=_rope_scaling({"rope_scaling": global_rope}),
+        hidden_act=act,
+        embed_scale=True,
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        query_pre_attn_scalar=float(scalar) if scalar is not None else None,
+        sliding_window=int(window) if window else None,
+        local_layers=tuple(i for i, kind in enumerate(types) if kind == "sliding_attention") if window else (),
+        rope_local_theta=float(local_rope.get("rope_theta") or 10_000.0),
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+    )
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:
@@ -84,6 +166,12 @@ def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
 
 def runs_natively(hf: dict[str, Any]) -> bool:
     """Whether the native model (model.py) implements this HF config; the others run through transformers."""
+    if hf.get("model_type") in GEMMA_TYPES:
+        try:
+            _gemma_flags(hf)
+        except (SpecdecodeError, KeyError):
+            return False
+        return True
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     return hf.get("model_type") in NATIVE_MODEL_TYPES and kind in ("default", *NATIVE_ROPE_SCALING)

@@ -390,14 +390,14 @@ def test_a_bfloat16_hf_folder_runs_as_stored(tmp_path: Path) -> None:
 
 
 def test_weights_stored_refuses_an_architecture_the_native_model_lacks(tmp_path: Path) -> None:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma2Config, Gemma2ForCausalLM  # Gemma 3 runs natively; Gemma 2 does not
 
     from specdecode.kernels import cpu_kernels
     from specdecode.weights.loading import resolve_weights
 
-    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    Gemma3ForCausalLM(config).save_pretrained(tmp_path)
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
     assert resolve_weights("auto", str(tmp_path)) == "float"
     if cpu_kernels() is not None:
         with pytest.raises(SpecdecodeError, match="does not implement .* architecture; use --weights float"):

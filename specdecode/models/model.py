@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) in one file.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, SmolLM2, Gemma 3) in one file.
 
-Differences between the families are config flags (`qkv_bias`, `qk_norm`, tied embeddings, rope scaling), never
-forked copies. Parameter names are Hugging Face's, so a HF state dict loads as is.
+Differences between the families are config flags (`qkv_bias`, `qk_norm`, tied embeddings, rope scaling; Gemma 3's
+embedding scale, (1 + w) norms, four norms a layer, GELU, attention scale and sliding-window layers with their own
+rope, models/windows.py; Qwen3-MoE's expert MLPs, models/experts.py), never forked copies. Parameter names are
+Hugging Face's, so a HF state dict loads as is.
 
 Forward contract, shared with `hf_model.HFModel`:
     forward(tokens [B, T], positions [B, T], cache, attn_mask [B, 1, T, S] bool, logits_from, decode,
@@ -33,17 +35,24 @@ from torch import nn
 
 from specdecode.config import ModelConfig
 from specdecode.kernels import cpu_kernels
+from specdecode.models.experts import SparseMoE
+from specdecode.models.gated import silu_mul
 from specdecode.models.kv_cache import NATIVE_KV_DTYPES, KVCache
 from specdecode.models.parts import Part, Segment, row_slots
+from specdecode.models.windows import windowed_decode_attention, windowed_segments
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset  # Gemma's: the weight applied as (1 + w), the product taken in float32
+        self._scale: tuple[tuple, torch.Tensor] | None = None  # (the weight's identity, 1 + w in float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            return self._offset_forward(x)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.is_contiguous() and x.is_cpu:
             kernels = cpu_kernels() if x.shape[-1] % 8 == 0 else None
             if kernels is not None:  # one call instead of seven: a one-token step is mostly small operations
@@ -53,12 +62,34 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def _offset_forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.offset_scale()
+        if x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu and x.shape[-1] % 8 == 0:
+            if (kernels := cpu_kernels()) is not None:
+                return kernels.rms_norm(x, scale, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * scale).to(x.dtype)  # rounded after the product, as Gemma's reference rounds
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    def offset_scale(self) -> torch.Tensor:
+        """1 + w in float32, made once per weight (six norms a layer: a small tensor operation each costs)."""
+        w = self.weight
+        try:
+            key = (w.data_ptr(), w.device, w._version)
+        except RuntimeError:  # an inference tensor keeps no version
+            key = (w.data_ptr(), w.device, None)
+        if self._scale is None or self._scale[0] != key:
+            self._scale = (key, 1.0 + w.detach().float())
+        return self._scale[1]
+
+
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """The rotary frequencies of the global layers, or (`local`) of the sliding-window layers (their own theta)."""
     dim = config.head_dim
+    theta = config.rope_local_theta if local else config.rope_theta
     # On the CPU even while a model is built on the meta device: real values, and meta ops import torch's compiler
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = config.rope_scaling
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
@@ -97,9 +128,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_unit_offset)
         self.qk_norm = config.qk_norm
+        # query_pre_attn_scalar**-0.5 where a config sets it: q scaled after its rotation, every attention path
+        # (and the kernel) then applying head_dim**-0.5 as usual
+        scalar = config.query_pre_attn_scalar
+        self.q_scale = 1.0 if scalar is None or scalar == hd else (hd / scalar) ** 0.5
 
     def forward(
         self,
@@ -141,6 +176,8 @@ class Attention(nn.Module):
             k = k * cos + rotate_half(k) * sin
             k_cache.index_copy_(2, write_pos, k.to(k_cache.dtype))  # a cache in another dtype rounds them
             v_cache.index_copy_(2, write_pos, v.to(v_cache.dtype))
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         native = (cpu_kernels() if rows is not None and q.is_cpu and self.head_dim % 8 == 0
                   and k_cache.dtype in NATIVE_KV_DTYPES else None)
         if native is None and k_cache.dtype != q.dtype:
@@ -158,14 +195,16 @@ class Attention(nn.Module):
                     for j in range(q.shape[2])
                 ], dim=2)  # fmt: skip
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=True)  # [B,H,T,hd]
+        if native is not None and rows.starts is not None:  # a sliding window cut some row's first slots
+            return windowed_decode_attention(native, q.float().contiguous(), k_cache, v_cache, rows).to(q.dtype)
         if native is not None:
             # Each row by one fixed sequence of operations whatever T is: rows agree bit for bit with T = 1.
             out = native.decode_attention(q.float().contiguous(), k_cache, v_cache, rows.spans, rows.extras)
             return out.to(q.dtype)
         if not rows.extras:  # one query per call, exactly the call a one-token forward makes: rows agree bit for bit
             return torch.cat([
-                F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, :span], v_cache[:, :, :span],
-                                               enable_gqa=True)
+                F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, rows.first(j) : span],
+                                               v_cache[:, :, rows.first(j) : span], enable_gqa=True)
                 for j, span in enumerate(rows.spans)
             ], dim=2)  # fmt: skip
         # Tree rows gather their slots: the same values as a one-token forward, maybe not the same last bits.
@@ -183,29 +222,27 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu:
+            return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u. On the CPU in float32 (not training) the native kernel the native layers apply, so a forward
-    through this loop gives their bits."""
-    if (g.dtype == torch.float32 and g.is_cpu and g.shape == u.shape and g.shape[-1] % 8 == 0
-            and not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad))):
-        kernels = cpu_kernels()
-        if kernels is not None:
-            return kernels.silu_mul_(g.contiguous(), u.contiguous())
-    return F.silu(g) * u
-
-
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        d, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_unit_offset
+        self.input_layernorm = RMSNorm(d, eps, offset)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        # llama: the MLP's input norm; with sandwich norms (Gemma), the attention output's, and two around the MLP
+        self.post_attention_layernorm = RMSNorm(d, eps, offset)
+        self.mlp = SparseMoE(config) if layer in config.moe_layers else MLP(config)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, offset)
+        self.sandwich = config.sandwich_norms
 
 
 class Decoder(nn.Module):
@@ -216,8 +253,8 @@ class Decoder(nn.Module):
         # would import torch's compiler, ~1 s of a start.
         on_meta = torch.empty(0).is_meta
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape)) if on_meta else nn.Embedding(*shape)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
 
 
 ROTARY_BLOCK = 128  # positions a block of the rotary tables holds (each block computed in one tensor operation)
@@ -263,6 +300,13 @@ class Transformer(nn.Module):
         inv_freq, where = rope_inv_freq(config), self.lm_head.weight.device
         self.register_buffer("inv_freq", inv_freq if where.type == "meta" else inv_freq.to(where), persistent=False)
         self._rotary_table: RotaryTable | None = None  # _rotary's, on the CPU
+        self.local_layers = frozenset(config.local_layers)  # sliding-window layers (models/windows.py)
+        if self.local_layers:  # their own rope theta
+            local = rope_inv_freq(config, local=True)
+            self.register_buffer("inv_freq_local", local if where.type == "meta" else local.to(where),
+                                 persistent=False)
+        self._local_table: RotaryTable | None = None
+        self._embed_scales: dict[torch.dtype, torch.Tensor] = {}  # sqrt(hidden_size) per activation dtype
         # Applied from outside, never by the network itself: the native decode stack once its linear layers are on
         # the CPU kernels (models/native.py, applied by weights/quantize.py), and a lone sequence's forwards as
         # CUDA graphs (models/cuda_graphs.py, use_graphs). None: the plain PyTorch layers below.
@@ -310,7 +354,7 @@ class Transformer(nn.Module):
         seg = Segment(0, tokens.shape[1], cache, write_pos, attn_mask, row_slots(attn_mask) if decode else None)
         hidden = self._layers(tokens, positions, [seg], feature_layers)  # [B, T, d (+ features)]
         logits = self.lm_head(hidden[:, logits_from:, : self.config.hidden_size]).float()  # [B, T - from, vocab]
-        return logits, hidden
+        return self._capped(logits), hidden
 
     def forward_parts(self, parts: list[Part], feature_layers: tuple[int, ...] = ()
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -374,13 +418,20 @@ class Transformer(nn.Module):
         part wants it and the head finds it as it writes the logits (quantize.QuantLinear): read afterwards, a
         verify forward's logits come back from memory, the head having streamed its weights through the caches."""
         head = self.lm_head
-        # float32 only: bfloat16 logits are rounded before their argmax is taken
-        with_argmax = getattr(head, "forward_argmax", None) if final.dtype == torch.float32 else None
+        # float32 only: bfloat16 logits are rounded before their argmax is taken; none under a softcap (capped
+        # logits can tie where the raw ones did not)
+        plain = final.dtype == torch.float32 and self.config.final_logit_softcapping is None
+        with_argmax = getattr(head, "forward_argmax", None) if plain else None
         if with_argmax is not None and any(p.wants_argmax for p in parts):
             logits, argmax = with_argmax(final)
             return logits, argmax if argmax.numel() else None  # empty: a row holds a NaN, torch's argmax decides
         logits = head.forward(final)  # [N, vocab]; no module call around it (no hooks here: ~10 us a forward)
-        return (logits if logits.dtype == torch.float32 else logits.float()), None
+        return self._capped(logits if logits.dtype == torch.float32 else logits.float()), None
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Final logit softcapping (cap * tanh(logits / cap)) where the config sets it."""
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
                        mask: torch.Tensor, cache: KVCache, last: torch.Tensor | None,
@@ -392,7 +443,7 @@ class Transformer(nn.Module):
         seg = Segment(0, tokens.numel(), cache, write_pos, mask[None, None], None, mask_rows)
         hidden = self._layers(tokens[None], positions[None], [seg], feature_layers)[0]
         final = hidden if last is None else hidden.index_select(0, last)
-        return self.lm_head(final[None, :, : self.config.hidden_size])[0].float(), hidden
+        return self._capped(self.lm_head(final[None, :, : self.config.hidden_size])[0].float()), hidden
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 feature_layers: tuple[int, ...]) -> torch.Tensor:
@@ -401,40 +452,66 @@ class Transformer(nn.Module):
         if tokens.shape[0] == 1 and self.native is not None and (native := self.native.stack(segments)) is not None:
             return self.native.forward(native, tokens[0], positions[0], segments, feature_layers)[None]
         x = self.model.embed_tokens(tokens)  # [B, T, d]
+        if self.config.embed_scale:
+            x = x * self.embed_scale(x.dtype)
         cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, hd] each
+        local = self.local_layers
+        if local:  # each row's window, found once for every local layer
+            local_cos, local_sin = self._rotary(positions, x.dtype, local=True)
+            local_segments = windowed_segments(segments, positions, self.config.sliding_window)
         captured = []
         for i, block in enumerate(self.model.layers):
             if i in feature_layers:
                 captured.append(x)
-            x = x + block.self_attn(block.input_layernorm(x), cos, sin, i, segments)
-            x = x + block.mlp(block.post_attention_layernorm(x))
+            if i in local:
+                h = block.self_attn(block.input_layernorm(x), local_cos, local_sin, i, local_segments)
+            else:
+                h = block.self_attn(block.input_layernorm(x), cos, sin, i, segments)
+            if block.sandwich:
+                x = x + block.post_attention_layernorm(h)
+                x = x + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(x)))
+            else:
+                x = x + h
+                x = x + block.mlp(block.post_attention_layernorm(x))
         x = self.model.norm(x)
         return torch.cat((x, *captured), dim=-1) if captured else x
 
-    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """sqrt(hidden_size) as the activations' dtype holds it (Gemma: 55.4256 is 55.5 in bfloat16)."""
+        if dtype not in self._embed_scales:
+            self._embed_scales[dtype] = torch.tensor(self.config.hidden_size**0.5).to(dtype)
+        return self._embed_scales[dtype]
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype,
+                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, 1, T, head_dim] of the rotary angles at `positions` [B, T]. On the CPU, rows of tables
         computed once for positions up to a power of two (six tensor operations a forward were ~0.1 ms, a
         percent of a small draft model's forward); every forward reads the same table, so a position's values
         never depend on the forward it is in."""
         if positions.device.type != "cpu":  # no table: its length would need the largest position (a sync)
-            angles = rotary_angles(positions, self.inv_freq)[:, None]
+            angles = rotary_angles(positions, self.inv_freq_local if local else self.inv_freq)[:, None]
             return angles.cos().to(dtype), angles.sin().to(dtype)
         bound = int(positions.max()) + 1 if positions.numel() else 1
-        cos, sin = self.rotary_rows(positions.reshape(-1), dtype, bound)
+        cos, sin = self.rotary_rows(positions.reshape(-1), dtype, bound, local)
         shape = (positions.shape[0], 1, positions.shape[1], -1)
         return cos.view(shape), sin.view(shape)
 
     def rotary_rows(self, positions: torch.Tensor, dtype: torch.dtype,
-                     bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     bound: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [N, head_dim] at `positions` [N] (CPU), every one below `bound`: rows of the table."""
-        cos, sin = self.rotary_tables(dtype, bound)
+        cos, sin = self.rotary_tables(dtype, bound, local)
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
-    def rotary_tables(self, dtype: torch.dtype, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole cos and sin tables [P, head_dim] (CPU), P >= `bound`."""
-        table = self._rotary_table
-        if table is None or table.inv_freq is not self.inv_freq or table.dtype != dtype:
-            table = self._rotary_table = RotaryTable(self.inv_freq, dtype)
+    def rotary_tables(self, dtype: torch.dtype, bound: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and sin tables [P, head_dim] (CPU), P >= `bound`; `local`: the sliding-window layers'."""
+        inv_freq = self.inv_freq_local if local else self.inv_freq
+        table = self._local_table if local else self._rotary_table
+        if table is None or table.inv_freq is not inv_freq or table.dtype != dtype:
+            table = RotaryTable(inv_freq, dtype)
+            if local:
+                self._local_table = table
+            else:
+                self._rotary_table = table
         return table.upto(bound)
 
 

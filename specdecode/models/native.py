@@ -118,13 +118,16 @@ class NativeDecode:
         found: list[nn.Module] = []
         for block in self.model.model.layers._modules.values():
             attn, mlp = block._modules["self_attn"]._modules, block._modules["mlp"]._modules
-            found += (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mlp["gate_proj"],
-                      mlp["up_proj"], mlp["down_proj"])  # fmt: skip
+            # an experts layer (models/experts.py) has none of the three: None, and the stack is not built
+            found += (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mlp.get("gate_proj"),
+                      mlp.get("up_proj"), mlp.get("down_proj"))  # fmt: skip
         return tuple(found)
 
     def _build_native(self, linears: tuple[nn.Module, ...]):
         kernels, c = cpu_kernels(), self.model.config
         if kernels is None or c.hidden_size % 8 or c.head_dim % 8 or c.intermediate_size % 8:
+            return None
+        if not c.llama_layers:  # the stack implements the llama layer only (Gemma's run the Python loop)
             return None
         ops = [getattr(linear, "op", None) for linear in linears]
         norms = [p for name, p in self.model.model.layers.named_parameters() if name.endswith("norm.weight")]

@@ -13,13 +13,17 @@ from specdecode.models.kv_cache import KVCache
 
 @dataclass(slots=True)
 class RowSlots:
-    """The cache slots each query row of a decode step attends to: [0, spans[t]), then extras[t] in order."""
+    """The cache slots each query row of a decode step attends to: [starts[t], spans[t]), then extras[t] in order."""
 
     spans: list[int]
     extras: list[list[int]]  # empty for a chain: every row's slots are a prefix
+    starts: list[int] | None = None  # a sliding window's first slot per row (models/windows.py); None: all 0
+
+    def first(self, t: int) -> int:
+        return 0 if self.starts is None else self.starts[t]
 
     def slots(self, t: int, device: torch.device) -> torch.Tensor:
-        head = torch.arange(self.spans[t], device=device)
+        head = torch.arange(self.first(t), self.spans[t], device=device)
         return torch.cat((head, torch.tensor(self.extras[t], dtype=torch.long, device=device))) if self.extras else head
 
 

@@ -170,11 +170,22 @@ def gguf_config(gguf: Path) -> tuple[Any, torch.nn.Module]:
     parsed = guard_gguf(gguf, functools.partial(load_gguf_checkpoint, str(gguf), return_tensors=False))
     # GGUF stores floats as float32; print them as the decimal they came from (9.99999997e-07 -> 1e-06).
     hf = {k: _f32_decimal(v) for k, v in parsed["config"].items() if not k.startswith("_")}
+    if hf.get("model_type") == "qwen3_moe" and "moe_intermediate_size" not in hf:
+        # transformers reads no expert width from a qwen3moe file (its default is one real model's, 768)
+        hf["moe_intermediate_size"] = _gguf_int(gguf, "qwen3moe.expert_feed_forward_length", 768)
     config = AutoConfig.for_model(**hf)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]
     return config, skeleton
+
+
+def _gguf_int(gguf: Path, key: str, default: int) -> int:
+    """One integer of the file's metadata (`default` where it has none)."""
+    import gguf as gguf_package  # looked up at the call: the reader one_gguf_parse shares
+
+    field = guard_gguf(gguf, lambda: gguf_package.GGUFReader(gguf)).fields.get(key)
+    return int(field.parts[field.data[0]][0]) if field is not None else default
 
 
 def write_folder(out: Path, config: Any, tensors: dict[str, Tensor], tokenizer: PreTrainedTokenizerBase,

@@ -4,7 +4,9 @@ The file's blocks are unpacked once into the integer kernel's layout (blocks.py:
 cached with the config and tokenizer as a folder `<cache>/converted/<stem>-<key>-as-stored/`, so later loads
 read ~1 GB from disk and parse nothing. Norms and biases stay float32. Tensor names are mapped to Hugging Face's,
 so the native model takes them like any checkpoint. Block types the kernel does not run (Q2_K, Q3_K, IQ*, ...)
-are de-quantized to float32, with a warning naming the type.
+are de-quantized to float32, with a warning naming the type. Gemma 3's norm weights stay as the file holds them,
+1 + w (llama.cpp's converter adds the 1): loading.py runs them as plain multipliers, never adding it twice. A
+mixture of experts' 3-D expert tensors become one matrix per expert (Qwen3-MoE).
 
 A draft model's linear layers can be written again in fewer bits per weight at that step (`narrow`, e.g. 'q4_0':
 blocks.narrowed): its guesses then read fewer bytes, and never change the output. Such a folder is cached apart.
@@ -59,6 +61,22 @@ NAMES = [
     (r"blk\.(\d+)\.ffn_up\.(\w+)", r"model.layers.\1.mlp.up_proj.\2"),
     (r"blk\.(\d+)\.ffn_down\.(\w+)", r"model.layers.\1.mlp.down_proj.\2"),
 ]
+# Gemma 3's four norms a layer: its ffn_norm is the MLP's pre-norm, and the attention and MLP outputs have their own
+GEMMA3_NAMES = [
+    (r"blk\.(\d+)\.post_attention_norm\.(\w+)", r"model.layers.\1.post_attention_layernorm.\2"),
+    (r"blk\.(\d+)\.ffn_norm\.(\w+)", r"model.layers.\1.pre_feedforward_layernorm.\2"),
+    (r"blk\.(\d+)\.post_ffw_norm\.(\w+)", r"model.layers.\1.post_feedforward_layernorm.\2"),
+]
+# Qwen3-MoE's router and experts: a 3-D tensor [experts, out, in] holds every expert's matrix, kept apart as
+# `{expert}`'s own (expert_matrices), so a forward reads only the experts it routes to
+QWEN3MOE_NAMES = [
+    (r"blk\.(\d+)\.ffn_gate_inp\.(\w+)", r"model.layers.\1.mlp.gate.\2"),
+    (r"blk\.(\d+)\.ffn_gate_exps\.(\w+)", r"model.layers.\1.mlp.experts.{expert}.gate_proj.\2"),
+    (r"blk\.(\d+)\.ffn_up_exps\.(\w+)", r"model.layers.\1.mlp.experts.{expert}.up_proj.\2"),
+    (r"blk\.(\d+)\.ffn_down_exps\.(\w+)", r"model.layers.\1.mlp.experts.{expert}.down_proj.\2"),
+]
+# by transformers' model type, tried before NAMES
+FAMILY_NAMES = {"gemma3_text": GEMMA3_NAMES, "qwen3_moe": QWEN3MOE_NAMES}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 PACKED_FIELDS = ("qs", "qh", "scales", "mins", "d", "dmin")
 # of blocks.PackedWeight and the float matrices (4: F16 and BF16 ones kept in 16 bits); part of the cache folder's
@@ -126,30 +144,32 @@ def _unpack_gguf(gguf: Path, out: Path, narrow: str) -> None:
     formats: dict[str, str] = {}
     warned: set[str] = set()
     for t in tqdm(reader.tensors, desc=f"unpack {gguf.name}", unit="tensor", leave=False):
-        name = hf_name(t.name)
-        if name is None:
+        mapped = hf_name(t.name, config.model_type)
+        if mapped is None:
             continue
         type_name = t.tensor_type.name
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
-        kind = name.rpartition(".")[0].rpartition(".")[2]  # e.g. q_proj
-        if type_name.lower() in FORMATS and len(shape) == 2:
-            packed = guard_gguf(gguf, lambda: from_gguf(type_name, t.data, shape))  # noqa: B023 - called at once
-            if kind in permute:
-                packed = with_rows(packed, permute[kind])
-            if narrow != "none" and name != "model.embed_tokens.weight":  # the embedding (and a head tied to it)
-                packed = narrowed(packed, narrow)  # is looked up a row at a time: it costs no reads per token
-            formats[name] = packed.format.name
-            for field in PACKED_FIELDS:
-                if (value := getattr(packed, field)).numel():
-                    tensors[f"{name}:{field}"] = value
-            continue
-        if type_name not in FLOAT_TYPES and type_name not in warned:
-            warned.add(type_name)
-            log.warning("specdecode: GGUF block type %s has no integer kernel; running it de-quantized", type_name)
-        value = float_tensor(t.data, type_name, shape) if type_name in FLOAT_TYPES else torch.from_numpy(
-            np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
-        tensors[name] = value[permute[kind]] if kind in permute else value
-    expected = set(skeleton.state_dict()) - {"lm_head.weight"}
+        full_shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
+        kind = mapped.rpartition(".")[0].rpartition(".")[2]  # e.g. q_proj
+        for name, data, shape in expert_matrices(mapped, t.data, full_shape):
+            if type_name.lower() in FORMATS and len(shape) == 2:
+                packed = guard_gguf(gguf, lambda: from_gguf(type_name, data, shape))  # noqa: B023 - called at once
+                if kind in permute:
+                    packed = with_rows(packed, permute[kind])
+                if narrow != "none" and name != "model.embed_tokens.weight":  # the embedding (and a head tied to
+                    packed = narrowed(packed, narrow)  # it) is looked up a row at a time: no reads per token
+                formats[name] = packed.format.name
+                for field in PACKED_FIELDS:
+                    if (value := getattr(packed, field)).numel():
+                        tensors[f"{name}:{field}"] = value
+                continue
+            if type_name not in FLOAT_TYPES and type_name not in warned:
+                warned.add(type_name)
+                log.warning("specdecode: GGUF block type %s has no integer kernel; running it de-quantized",
+                            type_name)
+            value = float_tensor(data, type_name, shape) if type_name in FLOAT_TYPES else torch.from_numpy(
+                np.array(dequantize(data, t.tensor_type), dtype=np.float32)).reshape(shape)
+            tensors[name] = value[permute[kind]] if kind in permute else value
+    expected = unfused_names(skeleton.state_dict()) - {"lm_head.weight"}
     if missing := sorted(expected - set(formats) - set(tensors)):
         raise SpecdecodeError(f"{gguf} lacks {len(missing)} tensors (first: {missing[0]}); the file is incomplete")
     if "lm_head.weight" not in formats and "lm_head.weight" not in tensors:
@@ -169,8 +189,28 @@ def float_tensor(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Te
     return value if value.dim() == 2 else value.float()
 
 
-def hf_name(gguf_name: str) -> str | None:
-    for pattern, replacement in NAMES:
+def expert_matrices(name: str, data: np.ndarray, shape: tuple[int, ...]
+                    ) -> list[tuple[str, np.ndarray, tuple[int, ...]]]:
+    """A tensor as the matrices it holds: itself, or where its name has `{expert}` (a 3-D expert tensor, data
+    [experts, out, row bytes or in]) each expert's [out, in] under its own name."""
+    if "{expert}" not in name:
+        return [(name, data, shape)]
+    return [(name.format(expert=e), data[e], shape[1:]) for e in range(shape[0])]
+
+
+def unfused_names(state_dict: dict[str, Tensor]) -> set[str]:
+    """A transformers model's parameter names with its fused expert tensors as one matrix per expert (the names
+    a checkpoint on disk and the native model use)."""
+    from specdecode.models.experts import split_fused_experts
+
+    names = dict(state_dict)
+    for prefix in {k.removesuffix("experts.gate_up_proj") for k in state_dict if k.endswith("experts.gate_up_proj")}:
+        split_fused_experts(None, names, prefix)
+    return set(names)
+
+
+def hf_name(gguf_name: str, model_type: str | None = None) -> str | None:
+    for pattern, replacement in [*FAMILY_NAMES.get(model_type, []), *NAMES]:
         if re.fullmatch(pattern, gguf_name):
             return re.sub(pattern, replacement, gguf_name)
     return None  # e.g. rope_freqs: recomputed from the config

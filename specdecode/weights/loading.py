@@ -7,6 +7,7 @@ target, its tokenizer, a draft model ready to draft), for the API and the benchm
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from typing import Any
 
 import torch
 
-from specdecode.config import NATIVE_MODEL_TYPES, ModelConfig, runs_natively
+from specdecode.config import NATIVE_GGUF_ARCHITECTURES, ModelConfig, runs_natively
+from specdecode.devices import check_device
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_flags, cpu_kernels
 from specdecode.models.hf_model import HFModel
@@ -72,7 +74,7 @@ def resolve_draft_weights(source: str, device: str) -> str:
 def native_gguf(gguf) -> bool:
     """Whether the native model runs this GGUF file's architecture (others go through transformers, in float)."""
     architecture = gguf_architecture(gguf)
-    return architecture is None or architecture in NATIVE_MODEL_TYPES
+    return architecture is None or architecture in NATIVE_GGUF_ARCHITECTURES
 
 
 def native_folder(folder, sixteen_bits: bool = False) -> bool:
@@ -148,7 +150,8 @@ def plan_load(target: str, draft: str | None, dtype: str = "auto", device: str =
               draft_quantize: str = "auto", weights: str = "auto", kv_dtype: str = "auto") -> LoadPlan:
     """The target's form decides the dtype: weights as stored run with float32 activations (as llama.cpp does),
     float weights in --dtype. A GGUF draft runs as stored whenever the kernel runs (its precision changes only
-    the guesses, never the output)."""
+    the guesses, never the output). A device torch cannot use here is refused first, before any download."""
+    check_device(device)
     target_form = resolve_weights(weights, target, device, quantize)
     draft_form = resolve_draft_weights(draft, device) if draft else "float"
     activations = resolve_dtype(dtype, device, target_form)
@@ -219,7 +222,9 @@ def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None, narrow: str = 
     if not runs_natively(ckpt.config):
         raise SpecdecodeError(f"{gguf.name}: weights as stored run on the native llama-family model only; "
                               "use --weights float for this architecture")
-    config = ModelConfig.from_hf(ckpt.config)
+    # A GGUF's Gemma norms hold 1 + w already (llama.cpp's converter adds the 1; the folder keeps the file's
+    # values): run as plain multipliers, as llama.cpp runs them
+    config = dataclasses.replace(ModelConfig.from_hf(ckpt.config), norm_unit_offset=False)
     with torch.device("meta"):
         model = Transformer(config)
     model.load_state_dict({name: as_run(t, dtype) for name, t in ckpt.floats.items()}, strict=False, assign=True)

@@ -251,7 +251,8 @@ def quantize_(model: nn.Module, mode: str) -> nn.Module:
             if not isinstance(child, nn.Linear):
                 continue
             in_features = child.weight.shape[1]
-            if mode != "none" and in_features % SUPERBLOCK[mode] == 0:
+            # a layer marked keep_float (a mixture of experts' router: its top-k choice) is never written in blocks
+            if mode != "none" and in_features % SUPERBLOCK[mode] == 0 and not getattr(child, "keep_float", False):
                 packed = quantize_float(child.weight, mode)
                 setattr(parent, name, QuantLinear(packed, child.bias, kernels))
             elif child.weight.dtype in FLOAT_OPS and in_features % 8 == 0:  # odd shapes stay float

@@ -1,0 +1,239 @@
+"""Gemma 3 on the native model: parity with transformers' Gemma3ForCausalLM on a tiny random config (sliding-window
+layers alternating with global ones, a window shorter than the prompt), and every method's greedy output equal to
+plain decoding, tree methods included."""
+
+import pytest
+import torch
+
+from specdecode.config import ModelConfig, SamplingParams, runs_natively
+from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters.lookahead import LookaheadDrafter
+from specdecode.drafters.recycle import RecycleDrafter
+from specdecode.engine.engine import Engine
+from specdecode.models.masks import chain_mask, depths, tree_mask
+from specdecode.models.model import Transformer
+from specdecode.weights.quantize import quantize_
+
+WINDOW = 4
+PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
+
+
+def gemma_hf(seed: int = 0, kv_heads: int = 2, **overrides):
+    """A tiny Gemma3ForCausalLM: head_dim apart from hidden / heads, a query scale apart from head_dim, local
+    layers 0 and 2 with their own rope theta, norm weights random (their init, zeros, hides the 1 + w)."""
+    import transformers
+
+    kwargs = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=kv_heads, head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2,
+                  query_pre_attn_scalar=12, rope_theta=100_000.0, rope_local_base_freq=10_000.0,
+                  max_position_embeddings=256, eos_token_id=None, pad_token_id=0, bos_token_id=None)
+    config = transformers.Gemma3TextConfig(**dict(kwargs, **overrides))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def native(hf) -> Transformer:
+    model = Transformer(ModelConfig.from_hf(hf.config.to_dict()))
+    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model.eval()
+
+
+def run(engine: Engine, prompt: list[int], max_new: int = 30) -> list[int]:
+    return [t for step in engine.generate(prompt, SamplingParams(max_new_tokens=max_new)) for t in step.tokens]
+
+
+def test_config_flags_and_routing():
+    hf = gemma_hf()
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    assert type(hf).__name__ == "Gemma3ForCausalLM" and runs_natively(hf.config.to_dict())
+    assert config.local_layers == (0, 2) and config.sliding_window == WINDOW and config.head_dim == 16
+    assert (config.rope_theta, config.rope_local_theta) == (100_000.0, 10_000.0)
+    assert config.tie_word_embeddings and config.qk_norm and not config.llama_layers
+    assert not runs_natively(gemma_hf(attn_logit_softcapping=50.0).config.to_dict())  # through transformers
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])  # 1: the windowed rows on the native kernel; 2: through torch
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@torch.no_grad()
+def test_logits_match_transformers_past_the_window(kv_heads, softcap):
+    hf = gemma_hf(kv_heads=kv_heads, final_logit_softcapping=softcap)
+    model = native(hf)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    ref = hf(ids).logits
+    for decode in (False, True):  # one masked call, and rows one at a time as the engine runs them
+        out, _ = model(ids, torch.arange(16)[None], model.new_cache(1, 32), chain_mask(0, 16), decode=decode)
+        assert torch.allclose(out, ref, atol=1e-5), (decode, (out - ref).abs().max())
+    cache, pieces = model.new_cache(1, 32), []  # cached, in pieces that straddle the window
+    for start, end in [(0, 3), (3, 4), (4, 9), (9, 16)]:
+        out, _ = model(ids[:, start:end], torch.arange(start, end)[None], cache, chain_mask(start, end - start),
+                       decode=True)
+        cache.truncate(end)
+        pieces.append(out)
+    assert torch.allclose(torch.cat(pieces, dim=1), ref, atol=1e-5)
+
+
+@torch.no_grad()
+def test_greedy_tokens_equal_transformers():
+    hf = gemma_hf()
+    prompt = torch.tensor([PROMPT])
+    ref = hf.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, len(PROMPT):].tolist()
+    assert run(Engine(native(hf), NoDrafter()), PROMPT, max_new=20) == ref
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@torch.no_grad()
+def test_tree_forward_sees_each_paths_window(kv_heads):
+    model = native(gemma_hf(kv_heads=kv_heads))
+    prefix = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    root, nodes = 7, torch.tensor([10, 11, 12, 13, 14, 15, 16])
+    parents = torch.tensor([-1, -1, 0, 0, 2, 4, 5])  # paths deeper than the window: 0 -> 2 -> 4 -> 5 -> 6
+    ids = torch.cat((torch.tensor([root]), nodes))[None]
+    positions = (6 + torch.cat((torch.zeros(1, dtype=torch.long), depths(parents))))[None]
+    for decode in (False, True):
+        cache = model.new_cache(1, 32)
+        model(prefix, torch.arange(6)[None], cache, chain_mask(0, 6), decode=decode)
+        cache.truncate(6)
+        tree_logits, _ = model(ids, positions, cache, tree_mask(6, parents), decode=decode)
+        for node, path in {6: [0, 2, 4, 5, 6], 3: [0, 3], 1: [1]}.items():
+            seq = torch.cat((prefix[0], torch.tensor([root]), nodes[path]))[None]
+            solo, _ = model(seq, torch.arange(seq.shape[1])[None], model.new_cache(1, 32),
+                            chain_mask(0, seq.shape[1]))
+            assert torch.allclose(tree_logits[0, node + 1], solo[0, -1], atol=1e-5), (decode, node)
+
+
+def drafters(target, draft):
+    return {
+        "ngram": NgramDrafter(),
+        "ngram-tree": NgramDrafter(branches=4),
+        "recycle": RecycleDrafter(64),
+        "lookahead": LookaheadDrafter(),
+        "draft-model": DraftModelDrafter(draft, vocab_size=64),
+        "draft-model-tree": DraftModelDrafter(draft, vocab_size=64, width=3),
+        "self-draft-tree": DraftModelDrafter(target, vocab_size=64, width=2),
+    }
+
+
+@pytest.mark.parametrize("form", ["python", "kernels", "kernels-bf16-kv"])
+def test_every_method_gives_plain_decodings_tokens(form):
+    target, draft = native(gemma_hf(kv_heads=1)), native(gemma_hf(seed=1))
+    if form != "python":  # the linear layers on the CPU kernels, as a loaded model runs them
+        quantize_(target, "none")
+        quantize_(draft, "none")
+    if form == "kernels-bf16-kv":
+        target.kv_dtype = draft.kv_dtype = torch.bfloat16
+    reference = run(Engine(target, NoDrafter()), PROMPT)
+    for k in (1, 4):
+        for name, drafter in drafters(target, draft).items():
+            assert run(Engine(target, drafter, num_draft_tokens=k), PROMPT) == reference, (form, name, k)
+
+
+@torch.no_grad()
+def test_an_hf_folder_loads_natively(tmp_path):
+    from specdecode.weights.loading import load_model
+
+    hf = gemma_hf()
+    hf.save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), torch.float32)
+    assert isinstance(model, Transformer)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(4))
+    out, _ = model(ids, torch.arange(12)[None], model.new_cache(1, 16), chain_mask(0, 12), decode=True)
+    assert torch.allclose(out, hf(ids).logits, atol=1e-5)
+
+
+# --- a GGUF written with gguf-py, as llama.cpp's converter writes Gemma 3: norms stored as 1 + w ---
+
+GGUF_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [chr(c) for c in range(33, 92)]  # 64 tokens
+
+
+def write_gemma_gguf(path, hf, blocks: str | None = None) -> None:
+    import gguf
+    import numpy as np
+
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_tokenizer_model("llama")  # sentencepiece, as Gemma's files are
+    writer.add_token_list(GGUF_TOKENS)
+    writer.add_token_scores([0.0] * len(GGUF_TOKENS))
+    writer.add_token_types([3, 3, 3, 2] + [1] * (len(GGUF_TOKENS) - 4))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied: no output.weight
+        base, suffix = name.rsplit(".", 1)
+        values = tensor.numpy().astype(np.float32)
+        if "norm" in name:
+            values = values + 1  # llama.cpp's converter adds Gemma's 1
+        if blocks is not None and values.ndim == 2:
+            kind = gguf.GGMLQuantizationType[blocks]
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_gemma_hf():
+    """Six layers: the fifth of each six is global in a GGUF (no pattern in its metadata, as llama.cpp's); head_dim
+    256, where transformers' reading of a GGUF (query_pre_attn_scalar 256) and llama.cpp's (head_dim) agree."""
+    return gemma_hf(num_hidden_layers=6, head_dim=256, kv_heads=1, query_pre_attn_scalar=256,
+                    sliding_window_pattern=6, rope_theta=1_000_000.0)
+
+
+@pytest.mark.parametrize("blocks", [None, "Q8_0"])
+@torch.no_grad()
+def test_a_gguf_runs_as_stored(tmp_path, monkeypatch, blocks):
+    import gguf
+    import numpy as np
+
+    from specdecode.kernels import cpu_kernels
+    from specdecode.weights import hub
+    from specdecode.weights.loading import load_model
+    from specdecode.weights.quantize import QuantLinear
+
+    if cpu_kernels() is None:
+        pytest.skip("weights as stored run on the CPU kernels")
+    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)  # the unpacked folder
+    hf = gguf_gemma_hf()
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_gemma_gguf(path, hf, blocks)
+    if blocks is not None:  # the reference on the weights the file holds
+        kind = gguf.GGMLQuantizationType[blocks]
+        for p in hf.parameters():
+            if p.dim() == 2:
+                held = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), kind), kind)
+                p.copy_(torch.from_numpy(np.array(held)))
+    model, tokenizer = load_model(str(path), torch.float32, weights="stored")
+    assert isinstance(model, Transformer) and not model.config.norm_unit_offset  # the file's 1 + w, as stored
+    assert model.config.local_layers == (0, 1, 2, 3, 4) and tokenizer is not None
+    assert (blocks is not None) == isinstance(model.model.layers[0].mlp.up_proj, QuantLinear)
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(5))
+    out, _ = model(ids, torch.arange(12)[None], model.new_cache(1, 16), chain_mask(0, 12), decode=True)
+    ref = hf(ids).logits
+    # float matrices: float arithmetic; blocks: the integer kernels round activations to 8 bits, as llama.cpp does
+    assert torch.allclose(out, ref, atol=1e-4 if blocks is None else 0.05), (out - ref).abs().max()
+    if blocks is not None:
+        reference = run(Engine(model, NoDrafter()), PROMPT)
+        for name, drafter in {"lookahead": LookaheadDrafter(), "ngram-tree": NgramDrafter(branches=4),
+                              "self-draft-tree": DraftModelDrafter(model, vocab_size=64, width=2)}.items():
+            assert run(Engine(model, drafter, num_draft_tokens=4), PROMPT) == reference, name

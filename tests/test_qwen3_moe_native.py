@@ -1,0 +1,332 @@
+"""Qwen3-MoE on the native model: parity with transformers' Qwen3MoeForCausalLM on a tiny random config (expert
+layers beside a dense one), each verify row computed as its own one-token forward whatever rows share the forward,
+and every method's greedy output equal to plain decoding, tree methods included."""
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode.config import ModelConfig, SamplingParams, runs_natively
+from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters.lookahead import LookaheadDrafter
+from specdecode.drafters.recycle import RecycleDrafter
+from specdecode.engine.engine import Engine
+from specdecode.models.experts import SparseMoE, expert_groups
+from specdecode.models.masks import chain_mask, depths, tree_mask
+from specdecode.models.model import Transformer
+from specdecode.weights.quantize import quantize_
+
+PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
+
+
+def moe_hf(seed: int = 0, **overrides):
+    """A tiny Qwen3MoeForCausalLM: 8 experts, 2 a token, layer 1 dense (mlp_only_layers), norms random."""
+    import transformers
+
+    kwargs = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                  decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=256,
+                  eos_token_id=None, pad_token_id=0, bos_token_id=None)
+    config = transformers.Qwen3MoeConfig(**dict(kwargs, **overrides))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.3)
+            elif name.endswith("gate.weight"):  # the router: spread its logits, so routes differ between tokens
+                p.normal_(0, 0.5)
+    return model
+
+
+def native(hf) -> Transformer:
+    model = Transformer(ModelConfig.from_hf(hf.config.to_dict()))
+    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model.eval()
+
+
+def run(engine: Engine, prompt: list[int], max_new: int = 30) -> list[int]:
+    return [t for step in engine.generate(prompt, SamplingParams(max_new_tokens=max_new)) for t in step.tokens]
+
+
+def test_config_flags_and_routing():
+    hf = moe_hf()
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM" and runs_natively(hf.config.to_dict())
+    assert config.moe_layers == (0, 2) and config.num_experts == 8 and config.num_experts_per_tok == 2
+    assert config.moe_intermediate_size == 16 and config.norm_topk_prob and config.qk_norm
+    assert not config.llama_layers  # the native decode stack is the dense layer's
+    assert ModelConfig.from_hf(moe_hf(decoder_sparse_step=2, mlp_only_layers=[]).config.to_dict()).moe_layers == (1,)
+    model = native(hf)
+    assert isinstance(model.model.layers[0].mlp, SparseMoE) and not isinstance(model.model.layers[1].mlp, SparseMoE)
+
+
+def test_expert_groups_in_ascending_order():
+    assert expert_groups([[3, 1], [1, 0]]) == [(0, [1], [1]), (1, [0, 1], [1, 0]), (3, [0], [0])]
+
+
+@torch.no_grad()
+def test_every_expert_path_gives_the_routed_sum():
+    """The path a CUDA graph captures (no host read of the routes) against the routed one."""
+    moe = native(moe_hf()).model.layers[0].mlp
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    weights, chosen = moe.route(x)
+    assert len({e for row in chosen.tolist() for e in row}) > 2  # the rows do not all read the same experts
+    assert torch.allclose(moe.every_expert(x, weights, chosen), moe(x), atol=1e-6)
+
+
+def test_blocks_leave_the_router_in_float():
+    from specdecode.weights.quantize import KernelLinear, QuantLinear
+
+    model = quantize_(native(moe_hf(moe_intermediate_size=32)), "q8_0")
+    moe = model.model.layers[2].mlp
+    if not isinstance(model.lm_head, QuantLinear):
+        pytest.skip("blocks run on the CPU kernels")
+    assert isinstance(moe.gate, KernelLinear) and isinstance(moe.experts[7].down_proj, QuantLinear)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@torch.no_grad()
+def test_logits_match_transformers(norm_topk_prob):
+    hf = moe_hf(norm_topk_prob=norm_topk_prob)
+    model = native(hf)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    ref = hf(ids).logits
+    for decode in (False, True):
+        out, _ = model(ids, torch.arange(16)[None], model.new_cache(1, 32), chain_mask(0, 16), decode=decode)
+        assert torch.allclose(out, ref, atol=1e-5), (decode, (out - ref).abs().max())
+    cache, pieces = model.new_cache(1, 32), []
+    for start, end in [(0, 3), (3, 4), (4, 9), (9, 16)]:
+        out, _ = model(ids[:, start:end], torch.arange(start, end)[None], cache, chain_mask(start, end - start),
+                       decode=True)
+        cache.truncate(end)
+        pieces.append(out)
+    assert torch.allclose(torch.cat(pieces, dim=1), ref, atol=1e-5)
+
+
+@torch.no_grad()
+def test_greedy_tokens_equal_transformers():
+    hf = moe_hf()
+    prompt = torch.tensor([PROMPT])
+    ref = hf.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, len(PROMPT):].tolist()
+    assert run(Engine(native(hf), NoDrafter()), PROMPT, max_new=20) == ref
+
+
+@pytest.mark.parametrize("form", ["python", "none", "q8_0"])
+@torch.no_grad()
+def test_verify_rows_equal_one_row_at_a_time(form):
+    """k rows in one forward (experts grouped across them) against each row alone: the same argmax; on the
+    kernels (float or blocks) the same bits."""
+    model = native(moe_hf(moe_intermediate_size=32))
+    if form != "python":
+        quantize_(model, form)
+    prefix = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(2))
+    rows = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(3))
+    cache = model.new_cache(1, 32)
+    model(prefix, torch.arange(6)[None], cache, chain_mask(0, 6), decode=True)
+    cache.truncate(6)
+    together, _ = model(rows, torch.arange(6, 14)[None], cache, chain_mask(6, 8), decode=True)
+    alone = []
+    for j in range(8):
+        out, _ = model(rows[:, j : j + 1], torch.tensor([[6 + j]]), cache, chain_mask(6 + j, 1), decode=True)
+        cache.truncate(7 + j)
+        alone.append(out)
+    alone = torch.cat(alone, dim=1)
+    assert torch.equal(together.argmax(-1), alone.argmax(-1))
+    if form != "python":
+        assert torch.equal(together, alone)
+    else:
+        assert torch.allclose(together, alone, atol=1e-5)
+
+
+@torch.no_grad()
+def test_tree_forward_equals_each_path():
+    model = native(moe_hf())
+    prefix = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    root, nodes = 7, torch.tensor([10, 11, 12, 13, 14, 15, 16])
+    parents = torch.tensor([-1, -1, 0, 0, 2, 4, 5])
+    ids = torch.cat((torch.tensor([root]), nodes))[None]
+    positions = (6 + torch.cat((torch.zeros(1, dtype=torch.long), depths(parents))))[None]
+    for decode in (False, True):
+        cache = model.new_cache(1, 32)
+        model(prefix, torch.arange(6)[None], cache, chain_mask(0, 6), decode=decode)
+        cache.truncate(6)
+        tree_logits, _ = model(ids, positions, cache, tree_mask(6, parents), decode=decode)
+        for node, path in {6: [0, 2, 4, 5, 6], 3: [0, 3], 1: [1]}.items():
+            seq = torch.cat((prefix[0], torch.tensor([root]), nodes[path]))[None]
+            solo, _ = model(seq, torch.arange(seq.shape[1])[None], model.new_cache(1, 32),
+                            chain_mask(0, seq.shape[1]))
+            assert torch.allclose(tree_logits[0, node + 1], solo[0, -1], atol=1e-5), (decode, node)
+
+
+def drafters(target, draft):
+    return {
+        "ngram": NgramDrafter(),
+        "ngram-tree": NgramDrafter(branches=4),
+        "recycle": RecycleDrafter(64),
+        "lookahead": LookaheadDrafter(),
+        "draft-model": DraftModelDrafter(draft, vocab_size=64),
+        "draft-model-tree": DraftModelDrafter(draft, vocab_size=64, width=3),
+        "self-draft-tree": DraftModelDrafter(target, vocab_size=64, width=2),
+    }
+
+
+@pytest.mark.parametrize("form", ["python", "kernels", "kernels-bf16-kv"])
+def test_every_method_gives_plain_decodings_tokens(form):
+    target, draft = native(moe_hf()), native(moe_hf(seed=1))
+    if form != "python":  # the linear layers (every expert's included) on the CPU kernels, as a loaded model runs
+        quantize_(target, "none")
+        quantize_(draft, "none")
+    if form == "kernels-bf16-kv":
+        target.kv_dtype = draft.kv_dtype = torch.bfloat16
+    reference = run(Engine(target, NoDrafter()), PROMPT)
+    for k in (1, 4):
+        for name, drafter in drafters(target, draft).items():
+            assert run(Engine(target, drafter, num_draft_tokens=k), PROMPT) == reference, (form, name, k)
+
+
+@torch.no_grad()
+def test_an_hf_folder_loads_natively(tmp_path):
+    from specdecode.weights.loading import load_model
+
+    hf = moe_hf()
+    hf.save_pretrained(tmp_path)  # experts saved one matrix each, as the published checkpoints are
+    model, _ = load_model(str(tmp_path), torch.float32)
+    assert isinstance(model, Transformer)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(4))
+    out, _ = model(ids, torch.arange(12)[None], model.new_cache(1, 16), chain_mask(0, 12), decode=True)
+    assert torch.allclose(out, hf(ids).logits, atol=1e-5)
+
+
+# --- a GGUF written with gguf-py, as llama.cpp's converter writes Qwen3-MoE: 3-D expert tensors, a float router ---
+
+GGUF_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [chr(c) for c in range(33, 92)]  # 64 tokens
+
+
+def gguf_moe_hf():
+    """Every layer with experts (llama.cpp's qwen3moe has no dense layers); matrices whose inputs fill Q8_0's
+    32-weight blocks."""
+    return moe_hf(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, mlp_only_layers=[])
+
+
+def gguf_tensors(hf) -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names, each expert tensor [experts, out, in] as the converter stacks
+    them."""
+    c, sd = hf.config, {k: v.numpy().astype(np.float32) for k, v in hf.state_dict().items()}
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+           "output.weight": sd["lm_head.weight"]}
+    for i in range(c.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        half = sd[layer + "mlp.experts.gate_up_proj"].shape[1] // 2
+        out.update({
+            f"blk.{i}.attn_norm.weight": sd[layer + "input_layernorm.weight"],
+            f"blk.{i}.ffn_norm.weight": sd[layer + "post_attention_layernorm.weight"],
+            f"blk.{i}.attn_q.weight": sd[layer + "self_attn.q_proj.weight"],
+            f"blk.{i}.attn_k.weight": sd[layer + "self_attn.k_proj.weight"],
+            f"blk.{i}.attn_v.weight": sd[layer + "self_attn.v_proj.weight"],
+            f"blk.{i}.attn_output.weight": sd[layer + "self_attn.o_proj.weight"],
+            f"blk.{i}.attn_q_norm.weight": sd[layer + "self_attn.q_norm.weight"],
+            f"blk.{i}.attn_k_norm.weight": sd[layer + "self_attn.k_norm.weight"],
+            f"blk.{i}.ffn_gate_inp.weight": sd[layer + "mlp.gate.weight"],
+            f"blk.{i}.ffn_gate_exps.weight": sd[layer + "mlp.experts.gate_up_proj"][:, :half],
+            f"blk.{i}.ffn_up_exps.weight": sd[layer + "mlp.experts.gate_up_proj"][:, half:],
+            f"blk.{i}.ffn_down_exps.weight": sd[layer + "mlp.experts.down_proj"],
+        })  # fmt: skip
+    return out
+
+
+def write_moe_gguf(path, hf, blocks: str | None = None) -> None:
+    import gguf
+
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(GGUF_TOKENS)
+    writer.add_token_scores([0.0] * len(GGUF_TOKENS))
+    writer.add_token_types([3, 3, 3, 2] + [1] * (len(GGUF_TOKENS) - 4))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    for name, values in gguf_tensors(hf).items():
+        values = np.ascontiguousarray(values)
+        # the router stays float, as llama.cpp's quantizer keeps it
+        if blocks is not None and values.ndim >= 2 and "ffn_gate_inp" not in name:
+            kind = gguf.GGMLQuantizationType[blocks]
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("blocks", [None, "Q8_0"])
+@torch.no_grad()
+def test_a_gguf_runs_as_stored(tmp_path, monkeypatch, blocks):
+    import gguf
+
+    from specdecode.kernels import cpu_kernels
+    from specdecode.weights import hub
+    from specdecode.weights.loading import load_model
+    from specdecode.weights.quantize import KernelLinear, QuantLinear
+
+    if cpu_kernels() is None:
+        pytest.skip("weights as stored run on the CPU kernels")
+    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)  # the unpacked folder
+    hf = gguf_moe_hf()
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    write_moe_gguf(path, hf, blocks)
+    if blocks is not None:  # the reference on the weights the file holds (blocks run along each matrix's rows)
+        kind = gguf.GGMLQuantizationType[blocks]
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2 and not name.endswith("mlp.gate.weight"):
+                held = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), kind), kind)
+                p.copy_(torch.from_numpy(np.array(held)).reshape(p.shape))
+    model, tokenizer = load_model(str(path), torch.float32, weights="stored")
+    assert isinstance(model, Transformer) and tokenizer is not None
+    assert model.config.moe_layers == (0, 1, 2) and model.config.moe_intermediate_size == 32
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe, SparseMoE) and isinstance(moe.gate, KernelLinear)  # the router in float
+    assert (blocks is not None) == isinstance(moe.experts[5].down_proj, QuantLinear)  # one block matrix an expert
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(5))
+    out, _ = model(ids, torch.arange(12)[None], model.new_cache(1, 16), chain_mask(0, 12), decode=True)
+    ref = hf(ids).logits
+    # float matrices: float arithmetic; blocks: the integer kernels round activations to 8 bits, as llama.cpp does
+    assert torch.allclose(out, ref, atol=1e-4 if blocks is None else 0.05), (out - ref).abs().max()
+    if blocks is not None:
+        reference = run(Engine(model, NoDrafter()), PROMPT)
+        for name, drafter in {"lookahead": LookaheadDrafter(), "ngram-tree": NgramDrafter(branches=4),
+                              "self-draft-tree": DraftModelDrafter(model, vocab_size=64, width=2)}.items():
+            assert run(Engine(model, drafter, num_draft_tokens=4), PROMPT) == reference, name
+
+
+@torch.no_grad()
+def test_a_gguf_runs_in_float(tmp_path, monkeypatch):
+    """--weights float: the file de-quantized through transformers' reader (the expert width read from the file,
+    where transformers reads none), then the native model."""
+    from specdecode.weights import hub
+    from specdecode.weights.loading import load_model
+
+    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)
+    hf = gguf_moe_hf()
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    write_moe_gguf(path, hf)
+    model, _ = load_model(str(path), torch.float32, weights="float")
+    assert isinstance(model, Transformer) and model.config.moe_intermediate_size == 32
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(6))
+    out, _ = model(ids, torch.arange(12)[None], model.new_cache(1, 16), chain_mask(0, 12), decode=True)
+    assert torch.allclose(out, hf(ids).logits, atol=1e-4)
