@@ -25,6 +25,7 @@ import importlib.util
 import json
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -107,7 +108,7 @@ async def idle_socket(host: str, port: int, source: str, until: float, opened: C
             pass
         finally:
             writer.close()
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # then again, as a client retrying each second would
 
 
 async def probe_health(url: str, until: float, deadline: float, seen: list) -> None:
@@ -214,6 +215,9 @@ def main() -> int:
         "exit_code": code,
         "idle_sockets": args.idle_sockets, "idle_socket_events": dict(sockets),
         "health_checks": len(health), "health_not_ok": sum(status != 200 for status, _ in health),
+        "health_statuses": dict(Counter(str(status) for status, _ in health)),
+        "health_p50_s": round(statistics.median(t for _, t in health), 3) if health else None,
+        "health_p99_s": round(sorted(t for _, t in health)[int(0.99 * (len(health) - 1))], 3) if health else None,
         "health_max_s": round(max((t for _, t in health), default=0.0), 3),
     }
     print(json.dumps(report, indent=1))

@@ -2,7 +2,7 @@
 
 `ModelConfig.from_hf` is the one place where a Hugging Face `config.json` is translated into the flags that
 `model.py` understands (qkv bias, q/k norm, tied embeddings, rope scaling, Gemma 3's norms, activation and sliding
-windows, Qwen3-MoE's experts); unknown keys are dropped.
+windows, Qwen3-MoE's experts, gpt-oss's attention sinks and biased experts); unknown keys are dropped.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from typing import Any
 from specdecode.errors import SpecdecodeError
 
 # Families model.py implements natively; anything else goes through hf_model.HFModel.
-NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe")
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gpt_oss")
 # GGUF `general.architecture` names of the same families (a GGUF's gemma3 is transformers' gemma3_text)
-NATIVE_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe")
+NATIVE_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
 GEMMA_TYPES = ("gemma3_text",)
 MOE_TYPES = ("qwen3_moe",)  # a mixture-of-experts MLP in some layers (models/experts.py)
+GPT_OSS_TYPES = ("gpt_oss",)  # experts in every layer, attention sinks, sliding-window layers
 NATIVE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-NATIVE_ROPE_SCALING = ("linear", "llama3")
+NATIVE_ROPE_SCALING = ("linear", "llama3", "yarn")
 MAX_TOP_LOGPROBS = 20  # alternatives per token OpenAI allows
 
 
@@ -48,7 +49,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5, not head_dim**-0.5
     sliding_window: int | None = None  # a local layer's query at position p sees keys at (p - window, p]
     local_layers: tuple[int, ...] = ()  # the layers with the sliding window (and their own rope theta)
-    rope_local_theta: float | None = None  # those layers' rope theta
+    rope_local_theta: float | None = None  # those layers' rope theta (None: the global layers' rope, gpt-oss's)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     # Mixture of experts (Qwen3-MoE, models/experts.py): the layers whose MLP is the experts, and their shape
     moe_layers: tuple[int, ...] = ()
@@ -56,13 +57,22 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top k weights renormalised to sum to 1
+    # gpt-oss's differences (the defaults are Qwen3-MoE's and llama's):
+    o_bias: bool = False  # the attention output projection has a bias
+    attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (models/sinks.py)
+    expert_bias: bool = False  # the router and every expert matrix have biases
+    softmax_after_topk: bool = False  # the router's top k logits picked first, then softmax over those k alone
+    swiglu_limit: float | None = None  # clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(a gate)
+    swiglu_alpha: float = 1.0  # that sigmoid's gain
+    gate_up_interleaved: bool = False  # transformers' fused experts: [d, 2I] each, gate and up columns alternating
 
     @property
     def llama_layers(self) -> bool:
         """Whether every layer is the plain llama layer, the one the native decode stack (kernels) implements."""
         return (self.hidden_act == "silu" and not self.embed_scale and not self.norm_unit_offset
                 and not self.sandwich_norms and self.query_pre_attn_scalar is None and not self.local_layers
-                and self.final_logit_softcapping is None and not self.moe_layers)
+                and self.final_logit_softcapping is None and not self.moe_layers and not self.o_bias
+                and not self.attention_sinks)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -75,6 +85,8 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         gemma = _gemma_flags(hf) if model_type in GEMMA_TYPES else {}
         experts = _moe_flags(hf) if model_type in MOE_TYPES else {}
+        if model_type in GPT_OSS_TYPES:
+            experts = _gpt_oss_flags(hf)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -89,7 +101,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and never writes the flag; Llama-style configs say attention_bias.
-            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=bool(hf.get("attention_bias", model_type in ("qwen2", *GPT_OSS_TYPES))),
             qk_norm=model_type in ("qwen3", *GEMMA_TYPES, *MOE_TYPES),
             eos_token_ids=eos_ids,
             **gemma,
@@ -106,6 +118,29 @@ def _moe_flags(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(moe_layers=layers, num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
                 moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def _gpt_oss_flags(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's fields of ModelConfig: experts in every layer (biased, softmax over the chosen logits, clamped
+    SwiGLU), sinks and biases in attention, and the sliding-window layers, which share the global layers' rope."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    window = hf.get("sliding_window")
+    return dict(
+        moe_layers=tuple(range(layers)),
+        num_experts=hf.get("num_local_experts") or hf.get("num_experts") or 0,
+        num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+        moe_intermediate_size=hf["intermediate_size"],
+        o_bias=bool(hf.get("attention_bias", True)),
+        attention_sinks=True,
+        expert_bias=True,
+        softmax_after_topk=True,
+        swiglu_limit=float(hf.get("swiglu_limit") or 7.0),
+        swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702),
+        gate_up_interleaved=True,
+        sliding_window=int(window) if window else None,
+        local_layers=tuple(i for i, kind in enumerate(types) if kind == "sliding_attention") if window else (),
+    )
 
 
 def _gemma_flags(hf: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +209,8 @@ def runs_natively(hf: dict[str, Any]) -> bool:
         return True
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if hf.get("model_type") in GPT_OSS_TYPES and hf.get("quantization_config"):
+        return False  # the published checkpoints' MXFP4 expert blocks: transformers reads them
     return hf.get("model_type") in NATIVE_MODEL_TYPES and kind in ("default", *NATIVE_ROPE_SCALING)
 
 

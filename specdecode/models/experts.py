@@ -1,5 +1,9 @@
-"""The mixture-of-experts MLP (Qwen3-MoE): a router picks each row's top-k experts, whose SwiGLU outputs are weighted
-and summed.
+"""The mixture-of-experts MLP (Qwen3-MoE, gpt-oss): a router picks each row's top-k experts, whose SwiGLU outputs are
+weighted and summed.
+
+gpt-oss differs by config flags: biases on the router and every expert matrix, the softmax taken over the k chosen
+logits (not top k of a softmax over all), and a clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate) with gate
+clamped above and up on both sides at `swiglu_limit`.
 
 Only the experts some row routes to are computed, each over the rows that chose it. A row's result depends on its
 own input alone: its experts are added in ascending expert order, starting from zero, whatever other rows are in the
@@ -9,7 +13,9 @@ verify forward's rows are the one-token forwards' rows, as every method's exactn
 Each expert is its own module with its own three matrices (Hugging Face's on-disk names, `experts.{e}.gate_proj`,
 ...), so a checkpoint loads as is, each expert's matrices go on the kernels apart, and a GGUF's 3-D expert tensors
 are kept as one block matrix per expert, read only when routed. transformers' in-memory state dict fuses them
-(`experts.gate_up_proj` [E, 2I, d], `experts.down_proj` [E, d, I]); a load hook splits those.
+(Qwen3-MoE: `experts.gate_up_proj` [E, 2I, d], `experts.down_proj` [E, d, I]; gpt-oss, also on disk: [E, d, 2I]
+with gate and up columns alternating, `experts.down_proj` [E, I, d], biases beside them, the router named `router`);
+a load hook splits those.
 """
 
 from __future__ import annotations
@@ -23,16 +29,24 @@ from specdecode.models.gated import silu_mul
 
 
 class Expert(nn.Module):
-    """One expert: silu(x W_gate) * (x W_up) -> W_down."""
+    """One expert: silu(x W_gate) * (x W_up) -> W_down; with `limit` (gpt-oss), the clamped variant."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, limit: float | None = None,
+                 alpha: float = 1.0) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.limit, self.alpha = limit, alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.limit is None:
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(-self.limit, self.limit)
+        # gate * sigmoid(alpha gate) = silu(alpha gate) / alpha, on silu_mul's kernel: torch's sigmoid rounds an
+        # element differently in its vector loop and its scalar tail, so a row's bits would depend on the others
+        return self.down_proj(silu_mul(gate * self.alpha, (up + 1) * (1 / self.alpha)))
 
 
 class Router(nn.Linear):
@@ -43,18 +57,25 @@ class Router(nn.Linear):
 
 
 class SparseMoE(nn.Module):
-    """Router logits -> softmax -> top-k experts (renormalised where the config says) -> their weighted sum."""
+    """Router logits -> softmax -> top-k experts (renormalised where the config says) -> their weighted sum; or
+    (`softmax_after_topk`, gpt-oss) the top-k logits -> their softmax."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.gate = Router(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size)
+        self.softmax_after_topk = config.softmax_after_topk
+        self.gate_up_interleaved = config.gate_up_interleaved  # which fused layout the load hook reads
+        self.gate = Router(config.hidden_size, config.num_experts, bias=config.expert_bias)
+        self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size, config.expert_bias,
+                                            config.swiglu_limit, config.swiglu_alpha)
                                      for _ in range(config.num_experts))
         self.register_load_state_dict_pre_hook(split_fused_experts)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (each row's expert weights [N, k] in x's dtype, its experts [N, k])."""
+        if self.softmax_after_topk:
+            logits, chosen = torch.topk(self.gate(x).float(), self.top_k, dim=-1)
+            return F.softmax(logits, dim=-1).to(x.dtype), chosen
         probs = F.softmax(self.gate(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -103,7 +124,11 @@ def expert_groups(chosen: list[list[int]]) -> list[tuple[int, list[int], list[in
 
 
 def split_fused_experts(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    """transformers' fused expert tensors (its in-memory state dict) -> one expert's matrices each, in place."""
+    """transformers' fused expert tensors (its in-memory state dict) -> one expert's matrices each, in place.
+    `module` None: Qwen3-MoE's layout (a GGUF reader's name list)."""
+    if getattr(module, "gate_up_interleaved", False):
+        split_interleaved_experts(state_dict, prefix)
+        return
     fused_gate_up, fused_down = f"{prefix}experts.gate_up_proj", f"{prefix}experts.down_proj"
     if fused_gate_up in state_dict:
         gate_up = state_dict.pop(fused_gate_up)  # [E, 2I, d]: gate rows first, then up rows
@@ -115,3 +140,27 @@ def split_fused_experts(module: nn.Module, state_dict: dict, prefix: str, *args)
         down = state_dict.pop(fused_down)  # [E, d, I]
         for e in range(down.shape[0]):
             state_dict[f"{prefix}experts.{e}.down_proj.weight"] = down[e]
+
+
+def split_interleaved_experts(state_dict: dict, prefix: str) -> None:
+    """gpt-oss's fused experts -> one expert's matrices each, in place: gate_up [E, d, 2I] holds gate and up
+    columns alternately (x @ W, so each is transposed into nn.Linear's [I, d]), down [E, I, d], biases [E, 2I] and
+    [E, d]; the router (`router.weight`, `router.bias`) is this module's `gate`."""
+    for kind in ("weight", "bias"):
+        if (router := state_dict.pop(f"{prefix}router.{kind}", None)) is not None:
+            state_dict[f"{prefix}gate.{kind}"] = router
+    experts = f"{prefix}experts."
+    if (gate_up := state_dict.pop(experts + "gate_up_proj", None)) is not None:
+        for e in range(gate_up.shape[0]):
+            state_dict[f"{experts}{e}.gate_proj.weight"] = gate_up[e, :, 0::2].t().contiguous()
+            state_dict[f"{experts}{e}.up_proj.weight"] = gate_up[e, :, 1::2].t().contiguous()
+    if (bias := state_dict.pop(experts + "gate_up_proj_bias", None)) is not None:
+        for e in range(bias.shape[0]):
+            state_dict[f"{experts}{e}.gate_proj.bias"] = bias[e, 0::2].contiguous()
+            state_dict[f"{experts}{e}.up_proj.bias"] = bias[e, 1::2].contiguous()
+    if (down := state_dict.pop(experts + "down_proj", None)) is not None:
+        for e in range(down.shape[0]):
+            state_dict[f"{experts}{e}.down_proj.weight"] = down[e].t().contiguous()
+    if (bias := state_dict.pop(experts + "down_proj_bias", None)) is not None:
+        for e in range(bias.shape[0]):
+            state_dict[f"{experts}{e}.down_proj.bias"] = bias[e]

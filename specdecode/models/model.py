@@ -1,9 +1,10 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, SmolLM2, Gemma 3) in one file.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, SmolLM2, Gemma 3, gpt-oss) in one file.
 
 Differences between the families are config flags (`qkv_bias`, `qk_norm`, tied embeddings, rope scaling; Gemma 3's
 embedding scale, (1 + w) norms, four norms a layer, GELU, attention scale and sliding-window layers with their own
-rope, models/windows.py; Qwen3-MoE's expert MLPs, models/experts.py), never forked copies. Parameter names are
-Hugging Face's, so a HF state dict loads as is.
+rope, models/windows.py; Qwen3-MoE's expert MLPs, models/experts.py; gpt-oss's attention sinks, models/sinks.py,
+output bias, biased experts and YaRN rope), never forked copies. Parameter names are Hugging Face's, so a HF state
+dict loads as is.
 
 Forward contract, shared with `hf_model.HFModel`:
     forward(tokens [B, T], positions [B, T], cache, attn_mask [B, 1, T, S] bool, logits_from, decode,
@@ -39,6 +40,7 @@ from specdecode.models.experts import SparseMoE
 from specdecode.models.gated import silu_mul
 from specdecode.models.kv_cache import NATIVE_KV_DTYPES, KVCache
 from specdecode.models.parts import Part, Segment, row_slots
+from specdecode.models.sinks import sink_attention, sink_decode_attention
 from specdecode.models.windows import windowed_decode_attention, windowed_segments
 
 
@@ -94,6 +96,8 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(inv_freq, scaling, theta, dim, config.max_position_embeddings)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -103,6 +107,44 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled)
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, theta: float, dim: int, max_positions: int) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are slowed by `factor`,
+    those turning more than beta_fast times kept, a linear ramp over the dimensions between."""
+    factor = scaling.get("factor") or max_positions / scaling["original_max_position_embeddings"]
+    old_len = scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension(turns: float) -> float:  # the dimension whose frequency turns `turns` times over old_len
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(fast), dimension(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each frequency left as it was
+    return (inv_freq / factor) * (1 - kept) + inv_freq * kept
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by (YaRN's attention temperature; 1 for every other rope)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling.get("factor") or config.max_position_embeddings / scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +168,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, config.num_heads * hd, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * hd, d, bias=config.o_bias)
+        # gpt-oss: a logit per head in every softmax's denominator (models/sinks.py); those layers attend in torch
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_unit_offset)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_unit_offset)
@@ -179,13 +223,15 @@ class Attention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         native = (cpu_kernels() if rows is not None and q.is_cpu and self.head_dim % 8 == 0
-                  and k_cache.dtype in NATIVE_KV_DTYPES else None)
+                  and k_cache.dtype in NATIVE_KV_DTYPES and self.sinks is None else None)
         if native is None and k_cache.dtype != q.dtype:
             # torch's attention takes one dtype: the cache's keys and values widened, as far as they are read (the
             # native kernel reads them as they are)
             used = (attn_mask.shape[-1] if rows is None
                     else max([*rows.spans, *(max(e) + 1 for e in rows.extras if e)]))
             k_cache, v_cache = k_cache[:, :, :used].to(q.dtype), v_cache[:, :, :used].to(q.dtype)
+        if self.sinks is not None:
+            return self._attend_sinks(q, k_cache, v_cache, seg)
         if rows is None:
             keys, values = k_cache[:, :, : attn_mask.shape[-1]], v_cache[:, :, : attn_mask.shape[-1]]
             if seg.mask_rows:  # per row, as a one-row forward with the same mask width computes it
@@ -214,6 +260,21 @@ class Attention(nn.Module):
             parts.append(F.scaled_dot_product_attention(q[:, :, j : j + 1], k_cache[:, :, slots],
                                                         v_cache[:, :, slots], enable_gqa=True))
         return torch.cat(parts, dim=2)
+
+    def _attend_sinks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      seg: Segment) -> torch.Tensor:
+        """_attend's last step with attention sinks: decode rows one query a call over their own slots, a masked
+        forward in one call (or one per row, `mask_rows`). The caches are in q's dtype here."""
+        if seg.rows is not None:
+            return sink_decode_attention(q, k_cache, v_cache, self.sinks, seg.rows)
+        width = seg.attn_mask.shape[-1]
+        keys, values = k_cache[:, :, :width], v_cache[:, :, :width]
+        if seg.mask_rows:
+            return torch.cat([
+                sink_attention(q[:, :, j : j + 1], keys, values, self.sinks, seg.attn_mask[:, :, j : j + 1])
+                for j in range(q.shape[2])
+            ], dim=2)  # fmt: skip
+        return sink_attention(q, keys, values, self.sinks, seg.attn_mask)
 
 
 class MLP(nn.Module):
@@ -266,13 +327,18 @@ def rotary_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tens
     return torch.cat((freqs, freqs), dim=-1)
 
 
+def scaled_trig(values: torch.Tensor, scale: float) -> torch.Tensor:
+    """cos or sin in float32 times the rope's attention factor, where it has one (YaRN's)."""
+    return values if scale == 1.0 else values * scale
+
+
 class RotaryTable:
     """cos and sin [positions, head_dim] of the rotary angles, grown by whole blocks of ROTARY_BLOCK positions,
     each computed alone: a position's bits never depend on when the table grew, and each block is one vectorized
     loop on one thread, as a forward's own angles were."""
 
-    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype) -> None:
-        self.inv_freq, self.dtype = inv_freq, dtype
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+        self.inv_freq, self.dtype, self.scale = inv_freq, dtype, scale  # scale: rope_attention_factor's
         self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype)
 
     def upto(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,8 +348,8 @@ class RotaryTable:
             cos, sin = [self.cos], [self.sin]
             for first in range(have, 1 << max(need - 1, 255).bit_length(), ROTARY_BLOCK):
                 angles = rotary_angles(torch.arange(first, first + ROTARY_BLOCK), self.inv_freq)  # [block, hd]
-                cos.append(angles.cos().to(self.dtype))
-                sin.append(angles.sin().to(self.dtype))
+                cos.append(scaled_trig(angles.cos(), self.scale).to(self.dtype))
+                sin.append(scaled_trig(angles.sin(), self.scale).to(self.dtype))
             self.cos, self.sin = torch.cat(cos), torch.cat(sin)
         return self.cos, self.sin
 
@@ -300,8 +366,11 @@ class Transformer(nn.Module):
         inv_freq, where = rope_inv_freq(config), self.lm_head.weight.device
         self.register_buffer("inv_freq", inv_freq if where.type == "meta" else inv_freq.to(where), persistent=False)
         self._rotary_table: RotaryTable | None = None  # _rotary's, on the CPU
+        self.rope_scale = rope_attention_factor(config)  # of the global layers' rope (YaRN's temperature)
         self.local_layers = frozenset(config.local_layers)  # sliding-window layers (models/windows.py)
-        if self.local_layers:  # their own rope theta
+        # their own rope theta (Gemma's), or the global layers' rope (gpt-oss's: no theta of their own)
+        self.local_rope = bool(self.local_layers) and config.rope_local_theta is not None
+        if self.local_rope:
             local = rope_inv_freq(config, local=True)
             self.register_buffer("inv_freq_local", local if where.type == "meta" else local.to(where),
                                  persistent=False)
@@ -457,7 +526,7 @@ class Transformer(nn.Module):
         cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, hd] each
         local = self.local_layers
         if local:  # each row's window, found once for every local layer
-            local_cos, local_sin = self._rotary(positions, x.dtype, local=True)
+            local_cos, local_sin = self._rotary(positions, x.dtype, local=True) if self.local_rope else (cos, sin)
             local_segments = windowed_segments(segments, positions, self.config.sliding_window)
         captured = []
         for i, block in enumerate(self.model.layers):
@@ -490,7 +559,8 @@ class Transformer(nn.Module):
         never depend on the forward it is in."""
         if positions.device.type != "cpu":  # no table: its length would need the largest position (a sync)
             angles = rotary_angles(positions, self.inv_freq_local if local else self.inv_freq)[:, None]
-            return angles.cos().to(dtype), angles.sin().to(dtype)
+            scale = 1.0 if local else self.rope_scale
+            return scaled_trig(angles.cos(), scale).to(dtype), scaled_trig(angles.sin(), scale).to(dtype)
         bound = int(positions.max()) + 1 if positions.numel() else 1
         cos, sin = self.rotary_rows(positions.reshape(-1), dtype, bound, local)
         shape = (positions.shape[0], 1, positions.shape[1], -1)
@@ -507,7 +577,7 @@ class Transformer(nn.Module):
         inv_freq = self.inv_freq_local if local else self.inv_freq
         table = self._local_table if local else self._rotary_table
         if table is None or table.inv_freq is not inv_freq or table.dtype != dtype:
-            table = RotaryTable(inv_freq, dtype)
+            table = RotaryTable(inv_freq, dtype, 1.0 if local else self.rope_scale)
             if local:
                 self._local_table = table
             else:

@@ -247,7 +247,9 @@ def measure(target: torch.nn.Module, max_tokens: int = MAX_MEASURED, prefix: int
     vocab = target.config.vocab_size
     sizes = [*range(1, max_tokens + 1), *(m for m in batch_sizes if m > max_tokens)]
     cache = target.new_cache(1, prefix + sizes[-1])
-    ids = torch.arange(prefix + sizes[-1], device=device)[None] * 7919 % vocab  # any tokens: cost is data-blind
+    # Distinct tokens, spread over the vocabulary: a dense model's cost is data-blind, but a mixture of experts
+    # reads the union of the experts its rows route to, and rows of one repeated token would all route alike
+    ids = torch.arange(prefix + sizes[-1], device=device)[None] * 7919 % vocab
     target(ids[:, :prefix], torch.arange(prefix, device=device)[None], cache, chain_mask(0, prefix, device),
            logits_from=prefix - 1)
     best = [float("inf")] * len(sizes)

@@ -38,6 +38,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from specdecode.errors import SpecdecodeError
 from specdecode.weights import hub
+from specdecode.weights.gguf_gpt_oss import ARCHITECTURE as GPT_OSS
+from specdecode.weights.gguf_gpt_oss import gpt_oss_config_fields, readable_by_transformers
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GGUF_MAGIC = b"GGUF"
@@ -156,7 +158,8 @@ def _convert_gguf(gguf: Path, out: Path, dtype: torch.dtype) -> None:
     config, skeleton = gguf_config(gguf)
     config.dtype = dtype
     load = functools.partial(load_gguf_checkpoint, str(gguf), True, model_to_load=skeleton, torch_dtype=dtype)
-    tensors = guard_gguf(gguf, load)["tensors"]
+    with readable_by_transformers(gpt_oss_reader(gguf)):
+        tensors = guard_gguf(gguf, load)["tensors"]
     expected = set(skeleton.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing := sorted(expected - set(tensors)):
         raise SpecdecodeError(f"{gguf} lacks {len(missing)} tensors (first: {missing[0]}); the file is incomplete")
@@ -167,9 +170,13 @@ def gguf_config(gguf: Path) -> tuple[Any, torch.nn.Module]:
     """The HF config a GGUF file's metadata describes, and a meta-device model of it (for parameter names)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    parsed = guard_gguf(gguf, functools.partial(load_gguf_checkpoint, str(gguf), return_tensors=False))
+    reader = gpt_oss_reader(gguf)
+    with readable_by_transformers(reader) as rope_scaling:  # gpt-oss: fields transformers misreads, hidden from it
+        parsed = guard_gguf(gguf, functools.partial(load_gguf_checkpoint, str(gguf), return_tensors=False))
     # GGUF stores floats as float32; print them as the decimal they came from (9.99999997e-07 -> 1e-06).
     hf = {k: _f32_decimal(v) for k, v in parsed["config"].items() if not k.startswith("_")}
+    if hf.get("model_type") == "gpt_oss":
+        hf.update(gpt_oss_config_fields(reader, rope_scaling))
     if hf.get("model_type") == "qwen3_moe" and "moe_intermediate_size" not in hf:
         # transformers reads no expert width from a qwen3moe file (its default is one real model's, 768)
         hf["moe_intermediate_size"] = _gguf_int(gguf, "qwen3moe.expert_feed_forward_length", 768)
@@ -178,6 +185,16 @@ def gguf_config(gguf: Path) -> tuple[Any, torch.nn.Module]:
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]
     return config, skeleton
+
+
+def gpt_oss_reader(gguf: Path) -> Any | None:
+    """A gpt-oss file's reader, the one every parse of it shares within one_gguf_parse (gguf_gpt_oss.py hides what
+    transformers misreads from it); None for another architecture, or where no parse is shared."""
+    import gguf as gguf_package  # looked up at the call: the reader one_gguf_parse shares
+
+    if isinstance(gguf_package.GGUFReader, type) or gguf_architecture(gguf) != GPT_OSS:
+        return None
+    return guard_gguf(gguf, lambda: gguf_package.GGUFReader(gguf))
 
 
 def _gguf_int(gguf: Path, key: str, default: int) -> int:
@@ -317,10 +334,16 @@ def guard_gguf(gguf: Path, read: Callable[[], T]) -> T:
 
 
 def gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
+    import gguf as gguf_package
     from transformers.integrations.gguf import read_gguf_metadata
 
+    if isinstance(gguf_package.GGUFReader, type):  # outside a conversion: these readers share one parse too (and
+        with one_gguf_parse():  # readable_by_transformers reaches the one transformers reads)
+            return gguf_tokenizer(gguf)
     metadata, _ = guard_gguf(gguf, functools.partial(read_gguf_metadata, str(gguf)))
-    tokenizer = guard_gguf(gguf, functools.partial(AutoTokenizer.from_pretrained, gguf.parent, gguf_file=gguf.name))
+    with readable_by_transformers(gpt_oss_reader(gguf)):
+        tokenizer = guard_gguf(gguf, functools.partial(AutoTokenizer.from_pretrained, gguf.parent,
+                                                       gguf_file=gguf.name))
     template = metadata.get("tokenizer.chat_template")
     if template and not tokenizer.chat_template:  # keep the chat template whichever transformers version runs
         tokenizer.chat_template = template

@@ -6,7 +6,8 @@ read ~1 GB from disk and parse nothing. Norms and biases stay float32. Tensor na
 so the native model takes them like any checkpoint. Block types the kernel does not run (Q2_K, Q3_K, IQ*, ...)
 are de-quantized to float32, with a warning naming the type. Gemma 3's norm weights stay as the file holds them,
 1 + w (llama.cpp's converter adds the 1): loading.py runs them as plain multipliers, never adding it twice. A
-mixture of experts' 3-D expert tensors become one matrix per expert (Qwen3-MoE).
+mixture of experts' 3-D expert tensors become one matrix per expert (Qwen3-MoE, gpt-oss; gpt-oss's MXFP4 experts
+have no integer kernel and run de-quantized, with that warning).
 
 A draft model's linear layers can be written again in fewer bits per weight at that step (`narrow`, e.g. 'q4_0':
 blocks.narrowed): its guesses then read fewer bytes, and never change the output. Such a folder is cached apart.
@@ -75,8 +76,14 @@ QWEN3MOE_NAMES = [
     (r"blk\.(\d+)\.ffn_up_exps\.(\w+)", r"model.layers.\1.mlp.experts.{expert}.up_proj.\2"),
     (r"blk\.(\d+)\.ffn_down_exps\.(\w+)", r"model.layers.\1.mlp.experts.{expert}.down_proj.\2"),
 ]
+# gpt-oss's: the MLP's input norm under Gemma's name, a sink logit per head, and Qwen3-MoE's experts, biases beside
+GPT_OSS_NAMES = [
+    (r"blk\.(\d+)\.post_attention_norm\.(\w+)", r"model.layers.\1.post_attention_layernorm.\2"),
+    (r"blk\.(\d+)\.attn_sinks\.weight", r"model.layers.\1.self_attn.sinks"),
+    *QWEN3MOE_NAMES,
+]
 # by transformers' model type, tried before NAMES
-FAMILY_NAMES = {"gemma3_text": GEMMA3_NAMES, "qwen3_moe": QWEN3MOE_NAMES}
+FAMILY_NAMES = {"gemma3_text": GEMMA3_NAMES, "qwen3_moe": QWEN3MOE_NAMES, "gpt_oss": GPT_OSS_NAMES}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 PACKED_FIELDS = ("qs", "qh", "scales", "mins", "d", "dmin")
 # of blocks.PackedWeight and the float matrices (4: F16 and BF16 ones kept in 16 bits); part of the cache folder's
@@ -201,11 +208,14 @@ def expert_matrices(name: str, data: np.ndarray, shape: tuple[int, ...]
 def unfused_names(state_dict: dict[str, Tensor]) -> set[str]:
     """A transformers model's parameter names with its fused expert tensors as one matrix per expert (the names
     a checkpoint on disk and the native model use)."""
-    from specdecode.models.experts import split_fused_experts
+    from specdecode.models.experts import split_fused_experts, split_interleaved_experts
 
     names = dict(state_dict)
     for prefix in {k.removesuffix("experts.gate_up_proj") for k in state_dict if k.endswith("experts.gate_up_proj")}:
-        split_fused_experts(None, names, prefix)
+        if f"{prefix}experts.gate_up_proj_bias" in names:  # gpt-oss's layout (and its router's name)
+            split_interleaved_experts(names, prefix)
+        else:
+            split_fused_experts(None, names, prefix)
     return set(names)
 
 

@@ -1,0 +1,388 @@
+"""gpt-oss on the native model: parity with transformers' GptOssForCausalLM on a tiny random config (attention sinks,
+sliding-window layers alternating with full ones and a window shorter than the prompt, biased attention and experts,
+softmax over the chosen router logits, the clamped SwiGLU, YaRN rope), each verify row computed as its own one-token
+forward, and every method's greedy output equal to plain decoding, tree methods included."""
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode.config import ModelConfig, SamplingParams, runs_natively
+from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters.lookahead import LookaheadDrafter
+from specdecode.drafters.recycle import RecycleDrafter
+from specdecode.engine.engine import Engine
+from specdecode.models.experts import SparseMoE
+from specdecode.models.masks import chain_mask, depths, tree_mask
+from specdecode.models.model import Transformer
+from specdecode.weights.quantize import quantize_
+
+WINDOW = 4
+PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 64, "rope_theta": 10_000.0}
+
+
+def gpt_oss_hf(seed: int = 0, **overrides):
+    """A tiny GptOssForCausalLM: 8 experts, 2 a token, expert width apart from hidden (a transposed matrix shows),
+    layers 0 and 2 sliding. Sinks, biases, router and norms random (their init leaves most at zero), the expert
+    matrices spread so that the SwiGLU clamp (limit lowered to 1) is reached."""
+    import transformers
+
+    kwargs = dict(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                  sliding_window=WINDOW, swiglu_limit=1.0, rope_parameters=dict(YARN), max_position_embeddings=256,
+                  eos_token_id=None, pad_token_id=0, bos_token_id=None)
+    config = transformers.GptOssConfig(**dict(kwargs, **overrides))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.3)
+            elif name.endswith("sinks"):
+                p.normal_(0, 1.0)
+            elif "router" in name:  # spread its logits, so routes differ between tokens
+                p.normal_(0, 0.5)
+            elif "experts" in name:
+                p.normal_(0, 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+def native(hf) -> Transformer:
+    model = Transformer(ModelConfig.from_hf(hf.config.to_dict()))
+    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model.eval()
+
+
+def run(engine: Engine, prompt: list[int], max_new: int = 30) -> list[int]:
+    return [t for step in engine.generate(prompt, SamplingParams(max_new_tokens=max_new)) for t in step.tokens]
+
+
+def test_config_flags_and_routing():
+    hf = gpt_oss_hf()
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    assert type(hf).__name__ == "GptOssForCausalLM" and runs_natively(hf.config.to_dict())
+    assert config.moe_layers == (0, 1, 2, 3) and config.num_experts == 8 and config.moe_intermediate_size == 16
+    assert config.local_layers == (0, 2) and config.sliding_window == WINDOW and config.rope_local_theta is None
+    assert config.attention_sinks and config.qkv_bias and config.o_bias and config.expert_bias
+    assert config.rope_scaling["rope_type"] == "yarn" and not config.llama_layers
+    assert config.swiglu_limit == 1.0 and config.swiglu_alpha == pytest.approx(1.702)
+    assert not runs_natively(dict(hf.config.to_dict(), quantization_config={"quant_method": "mxfp4"}))
+    model = native(hf)
+    assert isinstance(model.model.layers[3].mlp, SparseMoE) and model.model.layers[0].self_attn.sinks is not None
+
+
+@torch.no_grad()
+def test_experts_split_from_the_fused_layout():
+    """One expert of the native MLP against transformers' fused expert tensors, computed by hand."""
+    hf = gpt_oss_hf()
+    experts = hf.model.layers[1].mlp.experts
+    moe = native(hf).model.layers[1].mlp
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    gate_up = x @ experts.gate_up_proj[5] + experts.gate_up_proj_bias[5]
+    gate, up = gate_up[:, ::2].clamp(max=1.0), gate_up[:, 1::2].clamp(-1.0, 1.0)
+    ref = ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ experts.down_proj[5] + experts.down_proj_bias[5]
+    assert torch.allclose(moe.experts[5](x), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@torch.no_grad()
+def test_logits_match_transformers_past_the_window(kv_heads):
+    hf = gpt_oss_hf(num_key_value_heads=kv_heads)
+    model = native(hf)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    ref = hf(ids).logits
+    for decode in (False, True):  # one masked call, and rows one at a time as the engine runs them
+        out, _ = model(ids, torch.arange(16)[None], model.new_cache(1, 32), chain_mask(0, 16), decode=decode)
+        assert torch.allclose(out, ref, atol=1e-5), (decode, (out - ref).abs().max())
+    cache, pieces = model.new_cache(1, 32), []  # cached, in pieces that straddle the window
+    for start, end in [(0, 3), (3, 4), (4, 9), (9, 16)]:
+        out, _ = model(ids[:, start:end], torch.arange(start, end)[None], cache, chain_mask(start, end - start),
+                       decode=True)
+        cache.truncate(end)
+        pieces.append(out)
+    assert torch.allclose(torch.cat(pieces, dim=1), ref, atol=1e-5)
+
+
+@torch.no_grad()
+def test_yarn_rope_matches_transformers_beyond_the_original_context():
+    """Positions past YaRN's original context (64), truncated correction range (transformers' default)."""
+    hf = gpt_oss_hf(rope_parameters=dict(YARN, truncate=True, factor=8.0), num_hidden_layers=2)
+    model = native(hf)
+    ids = torch.randint(0, 64, (1, 80), generator=torch.Generator().manual_seed(7))
+    out, _ = model(ids, torch.arange(80)[None], model.new_cache(1, 96), chain_mask(0, 80))
+    assert torch.allclose(out, hf(ids).logits, atol=1e-5)
+
+
+@torch.no_grad()
+def test_greedy_tokens_equal_transformers():
+    hf = gpt_oss_hf()
+    prompt = torch.tensor([PROMPT])
+    ref = hf.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, len(PROMPT):].tolist()
+    assert run(Engine(native(hf), NoDrafter()), PROMPT, max_new=20) == ref
+
+
+@pytest.mark.parametrize("form", ["python", "none"])
+@torch.no_grad()
+def test_verify_rows_equal_one_row_at_a_time(form):
+    """k rows in one forward (sinks and windows per row, experts grouped across rows) against each row alone: the
+    same argmax; on the kernels the same bits."""
+    model = native(gpt_oss_hf())
+    if form != "python":
+        quantize_(model, form)
+    prefix = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(2))
+    rows = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(3))
+    cache = model.new_cache(1, 32)
+    model(prefix, torch.arange(6)[None], cache, chain_mask(0, 6), decode=True)
+    cache.truncate(6)
+    together, _ = model(rows, torch.arange(6, 14)[None], cache, chain_mask(6, 8), decode=True)
+    alone = []
+    for j in range(8):
+        out, _ = model(rows[:, j : j + 1], torch.tensor([[6 + j]]), cache, chain_mask(6 + j, 1), decode=True)
+        cache.truncate(7 + j)
+        alone.append(out)
+    alone = torch.cat(alone, dim=1)
+    assert torch.equal(together.argmax(-1), alone.argmax(-1))
+    if form != "python":
+        assert torch.equal(together, alone)
+    else:
+        assert torch.allclose(together, alone, atol=1e-5)
+
+
+@torch.no_grad()
+def test_tree_forward_sees_each_paths_window():
+    model = native(gpt_oss_hf())
+    prefix = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    root, nodes = 7, torch.tensor([10, 11, 12, 13, 14, 15, 16])
+    parents = torch.tensor([-1, -1, 0, 0, 2, 4, 5])  # paths deeper than the window: 0 -> 2 -> 4 -> 5 -> 6
+    ids = torch.cat((torch.tensor([root]), nodes))[None]
+    positions = (6 + torch.cat((torch.zeros(1, dtype=torch.long), depths(parents))))[None]
+    for decode in (False, True):
+        cache = model.new_cache(1, 32)
+        model(prefix, torch.arange(6)[None], cache, chain_mask(0, 6), decode=decode)
+        cache.truncate(6)
+        tree_logits, _ = model(ids, positions, cache, tree_mask(6, parents), decode=decode)
+        for node, path in {6: [0, 2, 4, 5, 6], 3: [0, 3], 1: [1]}.items():
+            seq = torch.cat((prefix[0], torch.tensor([root]), nodes[path]))[None]
+            solo, _ = model(seq, torch.arange(seq.shape[1])[None], model.new_cache(1, 32),
+                            chain_mask(0, seq.shape[1]))
+            assert torch.allclose(tree_logits[0, node + 1], solo[0, -1], atol=1e-5), (decode, node)
+
+
+def drafters(target, draft):
+    return {
+        "ngram": NgramDrafter(),
+        "ngram-tree": NgramDrafter(branches=4),
+        "recycle": RecycleDrafter(64),
+        "lookahead": LookaheadDrafter(),
+        "draft-model": DraftModelDrafter(draft, vocab_size=64),
+        "draft-model-tree": DraftModelDrafter(draft, vocab_size=64, width=3),
+        "self-draft-tree": DraftModelDrafter(target, vocab_size=64, width=2),
+    }
+
+
+@pytest.mark.parametrize("form", ["python", "kernels", "kernels-bf16-kv"])
+def test_every_method_gives_plain_decodings_tokens(form):
+    target, draft = native(gpt_oss_hf()), native(gpt_oss_hf(seed=1))
+    if form != "python":  # the linear layers (every expert's included) on the CPU kernels, as a loaded model runs
+        quantize_(target, "none")
+        quantize_(draft, "none")
+    if form == "kernels-bf16-kv":
+        target.kv_dtype = draft.kv_dtype = torch.bfloat16
+    reference = run(Engine(target, NoDrafter()), PROMPT)
+    for k in (1, 4):
+        for name, drafter in drafters(target, draft).items():
+            assert run(Engine(target, drafter, num_draft_tokens=k), PROMPT) == reference, (form, name, k)
+
+
+@torch.no_grad()
+def test_an_hf_folder_loads_natively(tmp_path):
+    from specdecode.weights.loading import load_model
+
+    hf = gpt_oss_hf()
+    hf.save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), torch.float32)
+    assert isinstance(model, Transformer)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(4))
+    out, _ = model(ids, torch.arange(12)[None], model.new_cache(1, 16), chain_mask(0, 12), decode=True)
+    assert torch.allclose(out, hf(ids).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["python", "kernels"])
+@torch.no_grad()
+def test_yarn_on_a_dense_family(form):
+    """YaRN is a rope flag of every family: a Llama with it, on the Python layers and on the native decode stack
+    (which reads the same scaled rotary tables)."""
+    from tiny import hf_model, native_from_hf
+
+    hf = hf_model("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    assert runs_natively(hf.config.to_dict())
+    model = native_from_hf(hf)
+    if form == "kernels":
+        quantize_(model, "none")
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(8))
+    out, _ = model(ids, torch.arange(40)[None], model.new_cache(1, 64), chain_mask(0, 40), decode=True)
+    assert torch.allclose(out, hf(ids).logits, atol=1e-5), (out - hf(ids).logits).abs().max()
+    assert (form == "kernels") == (model.native is not None and model.native.built is not None)
+
+
+# --- a GGUF written with gguf-py, as llama.cpp's converter writes gpt-oss: gate and up apart (de-interleaved), each
+# expert tensor [experts, out, in], biases [experts, out], the router and the sinks in float ---
+
+GGUF_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [chr(c) for c in range(33, 92)]  # 64 tokens
+
+
+def gguf_gpt_oss_hf():
+    """Matrices whose inputs fill 32-weight blocks (Q8_0's, MXFP4's), the expert width apart from hidden; the SwiGLU
+    limit the real model's (a GGUF does not store it)."""
+    return gpt_oss_hf(hidden_size=64, intermediate_size=32, swiglu_limit=7.0)
+
+
+def gguf_tensors(hf) -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names."""
+    c, sd = hf.config, {k: v.numpy().astype(np.float32) for k, v in hf.state_dict().items()}
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+           "output.weight": sd["lm_head.weight"]}
+    for i in range(c.num_hidden_layers):
+        layer, blk = f"model.layers.{i}.", f"blk.{i}."
+        gate_up, gate_up_bias = sd[layer + "mlp.experts.gate_up_proj"], sd[layer + "mlp.experts.gate_up_proj_bias"]
+        out.update({
+            blk + "attn_norm.weight": sd[layer + "input_layernorm.weight"],
+            blk + "post_attention_norm.weight": sd[layer + "post_attention_layernorm.weight"],
+            blk + "attn_sinks.weight": sd[layer + "self_attn.sinks"],
+            blk + "ffn_gate_inp.weight": sd[layer + "mlp.router.weight"],
+            blk + "ffn_gate_inp.bias": sd[layer + "mlp.router.bias"],
+            blk + "ffn_gate_exps.weight": gate_up[:, :, 0::2].transpose(0, 2, 1),
+            blk + "ffn_gate_exps.bias": gate_up_bias[:, 0::2],
+            blk + "ffn_up_exps.weight": gate_up[:, :, 1::2].transpose(0, 2, 1),
+            blk + "ffn_up_exps.bias": gate_up_bias[:, 1::2],
+            blk + "ffn_down_exps.weight": sd[layer + "mlp.experts.down_proj"].transpose(0, 2, 1),
+            blk + "ffn_down_exps.bias": sd[layer + "mlp.experts.down_proj_bias"],
+        })  # fmt: skip
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                             ("attn_output", "o_proj")):
+            out[f"{blk}{ours}.weight"] = sd[f"{layer}self_attn.{theirs}.weight"]
+            out[f"{blk}{ours}.bias"] = sd[f"{layer}self_attn.{theirs}.bias"]
+    return out
+
+
+def held(values: np.ndarray, kind) -> np.ndarray:
+    """What a tensor written in `kind`'s blocks holds."""
+    from gguf.quants import dequantize, quantize
+
+    return np.array(dequantize(quantize(np.ascontiguousarray(values), kind), kind)).reshape(values.shape)
+
+
+def block_kind(name: str, values: np.ndarray, blocks: str | None, expert_blocks: str | None):
+    """The block type a tensor is written in (None: float32): the router, sinks, norms and biases (the experts'
+    [experts, out] too) stay float."""
+    import gguf
+
+    if values.ndim < 2 or name.endswith(".bias") or "ffn_gate_inp" in name:
+        return None
+    chosen = expert_blocks if "_exps" in name else blocks
+    return gguf.GGMLQuantizationType[chosen] if chosen else None
+
+
+def write_gpt_oss_gguf(path, hf, blocks: str | None = None, expert_blocks: str | None = None) -> None:
+    import gguf
+
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_expert_feed_forward_length(c.intermediate_size)
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(c.rope_parameters["factor"])
+    writer.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(GGUF_TOKENS)
+    writer.add_token_scores([0.0] * len(GGUF_TOKENS))
+    writer.add_token_types([3, 3, 3, 2] + [1] * (len(GGUF_TOKENS) - 4))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    for name, values in gguf_tensors(hf).items():
+        values = np.ascontiguousarray(values)
+        if (kind := block_kind(name, values, blocks, expert_blocks)) is not None:
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def hold_as_written(hf, blocks: str | None, expert_blocks: str | None) -> None:
+    """hf's weights replaced by what the file holds (the reference runs on the same weights)."""
+    sd = hf.state_dict()
+    for name, values in gguf_tensors(hf).items():
+        if (kind := block_kind(name, values, blocks, expert_blocks)) is None:
+            continue
+        kept = torch.from_numpy(held(values, kind))
+        blk, _, rest = name.partition(".")[2].partition(".")
+        layer = f"model.layers.{blk}." if name.startswith("blk.") else ""
+        if rest.startswith("ffn_gate_exps") or rest.startswith("ffn_up_exps"):
+            first = 0 if rest.startswith("ffn_gate") else 1  # gate columns first, up columns between them
+            sd[layer + "mlp.experts.gate_up_proj"][:, :, first::2] = kept.transpose(1, 2)
+        elif rest.startswith("ffn_down_exps"):
+            sd[layer + "mlp.experts.down_proj"].copy_(kept.transpose(1, 2))
+        else:
+            target = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}.get(name)
+            if target is None:
+                ours = rest.split(".")[0]
+                theirs = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}[ours]
+                target = f"{layer}self_attn.{theirs}.weight"
+            sd[target].copy_(kept)
+
+
+@pytest.mark.parametrize("blocks, expert_blocks", [(None, None), ("Q8_0", "Q8_0"), ("Q8_0", "MXFP4")])
+@torch.no_grad()
+def test_a_gguf_runs_as_stored(tmp_path, monkeypatch, caplog, blocks, expert_blocks):
+    from specdecode.kernels import cpu_kernels
+    from specdecode.weights import hub
+    from specdecode.weights.loading import load_model
+    from specdecode.weights.quantize import KernelLinear, QuantLinear
+
+    if cpu_kernels() is None:
+        pytest.skip("weights as stored run on the CPU kernels")
+    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)  # the unpacked folder
+    hf = gguf_gpt_oss_hf()
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    write_gpt_oss_gguf(path, hf, blocks, expert_blocks)
+    hold_as_written(hf, blocks, expert_blocks)
+    model, tokenizer = load_model(str(path), torch.float32, weights="stored")
+    assert isinstance(model, Transformer) and tokenizer is not None
+    c = model.config
+    assert c.moe_layers == (0, 1, 2, 3) and c.moe_intermediate_size == 32 and c.local_layers == (0, 2)
+    assert c.attention_sinks and c.rope_scaling["rope_type"] == "yarn" and c.sliding_window == WINDOW
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe.gate, KernelLinear)  # the router in float
+    # MXFP4 has no integer kernel: those experts run de-quantized, and the load says so
+    assert (expert_blocks == "Q8_0") == isinstance(moe.experts[5].down_proj, QuantLinear)
+    assert (expert_blocks == "MXFP4") == ("MXFP4 has no integer kernel" in caplog.text)
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(5))
+    out, _ = model(ids, torch.arange(12)[None], model.new_cache(1, 16), chain_mask(0, 12), decode=True)
+    ref = hf(ids).logits
+    # float matrices: float arithmetic; blocks: the integer kernels round activations to 8 bits, as llama.cpp does
+    assert torch.allclose(out, ref, atol=1e-4 if blocks is None else 0.05), (out - ref).abs().max()
+    if blocks is not None:
+        reference = run(Engine(model, NoDrafter()), PROMPT)
+        for name, drafter in {"lookahead": LookaheadDrafter(), "ngram-tree": NgramDrafter(branches=4),
+                              "self-draft-tree": DraftModelDrafter(model, vocab_size=64, width=2)}.items():
+            assert run(Engine(model, drafter, num_draft_tokens=4), PROMPT) == reference, name
