@@ -4,18 +4,24 @@ plain decoding, tree methods included."""
 
 import pytest
 import torch
+from native_families import (
+    PROMPT,
+    check_every_method,
+    check_greedy_equals_transformers,
+    check_hf_folder_loads_natively,
+    check_tree_forward,
+    native,
+    run,
+)
 
-from specdecode.config import ModelConfig, SamplingParams, runs_natively
+from specdecode.config import ModelConfig, runs_natively
 from specdecode.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from specdecode.drafters.lookahead import LookaheadDrafter
-from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.engine.engine import Engine
-from specdecode.models.masks import chain_mask, depths, tree_mask
+from specdecode.models.masks import chain_mask
 from specdecode.models.model import Transformer
-from specdecode.weights.quantize import quantize_
 
 WINDOW = 4
-PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2]
 
 
 def gemma_hf(seed: int = 0, kv_heads: int = 2, **overrides):
@@ -35,17 +41,6 @@ def gemma_hf(seed: int = 0, kv_heads: int = 2, **overrides):
             if "norm" in name:
                 p.normal_(0, 0.5)
     return model
-
-
-def native(hf) -> Transformer:
-    model = Transformer(ModelConfig.from_hf(hf.config.to_dict()))
-    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return model.eval()
-
-
-def run(engine: Engine, prompt: list[int], max_new: int = 30) -> list[int]:
-    return [t for step in engine.generate(prompt, SamplingParams(max_new_tokens=max_new)) for t in step.tokens]
 
 
 def test_config_flags_and_routing():
@@ -78,72 +73,22 @@ def test_logits_match_transformers_past_the_window(kv_heads, softcap):
     assert torch.allclose(torch.cat(pieces, dim=1), ref, atol=1e-5)
 
 
-@torch.no_grad()
 def test_greedy_tokens_equal_transformers():
-    hf = gemma_hf()
-    prompt = torch.tensor([PROMPT])
-    ref = hf.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, len(PROMPT):].tolist()
-    assert run(Engine(native(hf), NoDrafter()), PROMPT, max_new=20) == ref
+    check_greedy_equals_transformers(gemma_hf())
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
-@torch.no_grad()
 def test_tree_forward_sees_each_paths_window(kv_heads):
-    model = native(gemma_hf(kv_heads=kv_heads))
-    prefix = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
-    root, nodes = 7, torch.tensor([10, 11, 12, 13, 14, 15, 16])
-    parents = torch.tensor([-1, -1, 0, 0, 2, 4, 5])  # paths deeper than the window: 0 -> 2 -> 4 -> 5 -> 6
-    ids = torch.cat((torch.tensor([root]), nodes))[None]
-    positions = (6 + torch.cat((torch.zeros(1, dtype=torch.long), depths(parents))))[None]
-    for decode in (False, True):
-        cache = model.new_cache(1, 32)
-        model(prefix, torch.arange(6)[None], cache, chain_mask(0, 6), decode=decode)
-        cache.truncate(6)
-        tree_logits, _ = model(ids, positions, cache, tree_mask(6, parents), decode=decode)
-        for node, path in {6: [0, 2, 4, 5, 6], 3: [0, 3], 1: [1]}.items():
-            seq = torch.cat((prefix[0], torch.tensor([root]), nodes[path]))[None]
-            solo, _ = model(seq, torch.arange(seq.shape[1])[None], model.new_cache(1, 32),
-                            chain_mask(0, seq.shape[1]))
-            assert torch.allclose(tree_logits[0, node + 1], solo[0, -1], atol=1e-5), (decode, node)
-
-
-def drafters(target, draft):
-    return {
-        "ngram": NgramDrafter(),
-        "ngram-tree": NgramDrafter(branches=4),
-        "recycle": RecycleDrafter(64),
-        "lookahead": LookaheadDrafter(),
-        "draft-model": DraftModelDrafter(draft, vocab_size=64),
-        "draft-model-tree": DraftModelDrafter(draft, vocab_size=64, width=3),
-        "self-draft-tree": DraftModelDrafter(target, vocab_size=64, width=2),
-    }
+    check_tree_forward(native(gemma_hf(kv_heads=kv_heads)))
 
 
 @pytest.mark.parametrize("form", ["python", "kernels", "kernels-bf16-kv"])
 def test_every_method_gives_plain_decodings_tokens(form):
-    target, draft = native(gemma_hf(kv_heads=1)), native(gemma_hf(seed=1))
-    if form != "python":  # the linear layers on the CPU kernels, as a loaded model runs them
-        quantize_(target, "none")
-        quantize_(draft, "none")
-    if form == "kernels-bf16-kv":
-        target.kv_dtype = draft.kv_dtype = torch.bfloat16
-    reference = run(Engine(target, NoDrafter()), PROMPT)
-    for k in (1, 4):
-        for name, drafter in drafters(target, draft).items():
-            assert run(Engine(target, drafter, num_draft_tokens=k), PROMPT) == reference, (form, name, k)
+    check_every_method(native(gemma_hf(kv_heads=1)), native(gemma_hf(seed=1)), form)
 
 
-@torch.no_grad()
 def test_an_hf_folder_loads_natively(tmp_path):
-    from specdecode.weights.loading import load_model
-
-    hf = gemma_hf()
-    hf.save_pretrained(tmp_path)
-    model, _ = load_model(str(tmp_path), torch.float32)
-    assert isinstance(model, Transformer)
-    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(4))
-    out, _ = model(ids, torch.arange(12)[None], model.new_cache(1, 16), chain_mask(0, 12), decode=True)
-    assert torch.allclose(out, hf(ids).logits, atol=1e-5)
+    check_hf_folder_loads_natively(gemma_hf(), tmp_path)
 
 
 # --- a GGUF written with gguf-py, as llama.cpp's converter writes Gemma 3: norms stored as 1 + w ---

@@ -5,12 +5,11 @@ in one batch. The vocabulary is four tokens (one of them EOS), so every output o
 
 import pytest
 import torch
+from native_families import native
 from test_batch import run_batch
 from test_engine import run
 from test_gemma3_native import gemma_hf
-from test_gemma3_native import native as gemma_native
 from test_qwen3_moe_native import moe_hf
-from test_qwen3_moe_native import native as moe_native
 from toy import Cycling, assert_exact_distribution
 
 from specdecode.config import SamplingParams
@@ -40,12 +39,12 @@ def family_model(family: str, seed: int, **overrides):
             for name, p in hf.named_parameters():
                 if ".experts." in name:
                     p.mul_(EXPERT_SCALE)
-        model = moe_native(hf)
+        model = native(hf)
     else:
         hf = gemma_hf(seed, vocab_size=VOCAB, num_hidden_layers=2, sliding_window=WINDOW, **overrides)
         with torch.no_grad():  # Gemma's norm multiplies by 1 + w
             hf.model.norm.weight.copy_(SHARPNESS * (1 + hf.model.norm.weight) - 1)
-        model = gemma_native(hf)
+        model = native(hf)
     return quantize_(model, "none")
 
 
