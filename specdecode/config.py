@@ -2,7 +2,8 @@
 
 `ModelConfig.from_hf` is the one place where a Hugging Face `config.json` is translated into the flags that
 `model.py` understands (qkv bias, q/k norm, tied embeddings, rope scaling, Gemma 3's norms, activation and sliding
-windows, Qwen3-MoE's experts, gpt-oss's attention sinks and biased experts); unknown keys are dropped.
+windows, Qwen3-MoE's experts, gpt-oss's attention sinks and biased experts, Qwen3-Next's linear-attention layers,
+gated attention and shared experts); unknown keys are dropped.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from typing import Any
 from specdecode.errors import SpecdecodeError
 
 # Families model.py implements natively; anything else goes through hf_model.HFModel.
-NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gpt_oss")
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gpt_oss", "qwen3_next")
 # GGUF `general.architecture` names of the same families (a GGUF's gemma3 is transformers' gemma3_text)
 NATIVE_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
 GEMMA_TYPES = ("gemma3_text",)
 MOE_TYPES = ("qwen3_moe",)  # a mixture-of-experts MLP in some layers (models/experts.py)
 GPT_OSS_TYPES = ("gpt_oss",)  # experts in every layer, attention sinks, sliding-window layers
+# gated DeltaNet layers beside gated full attention, experts with a shared expert (models/deltanet.py)
+HYBRID_TYPES = ("qwen3_next",)
 NATIVE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 NATIVE_ROPE_SCALING = ("linear", "llama3", "yarn")
 MAX_TOP_LOGPROBS = 20  # alternatives per token OpenAI allows
@@ -65,6 +68,16 @@ class ModelConfig:
     swiglu_limit: float | None = None  # clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(a gate)
     swiglu_alpha: float = 1.0  # that sigmoid's gain
     gate_up_interleaved: bool = False  # transformers' fused experts: [d, 2I] each, gate and up columns alternating
+    # Qwen3-Next's differences (models/deltanet.py; the defaults are the plain attention layer's):
+    shared_expert_intermediate_size: int = 0  # an expert every token runs, scaled by a sigmoid gate (0: none)
+    attention_output_gate: bool = False  # q_proj also yields a per-head gate: output * sigmoid(gate)
+    rotary_dim: int | None = None  # partial rotary: only a head's first rotary_dim dimensions turn (None: all)
+    linear_layers: tuple[int, ...] = ()  # the layers whose token mixer is gated DeltaNet, not attention
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0  # the causal convolution's width over q, k and v
 
     @property
     def llama_layers(self) -> bool:
@@ -72,7 +85,13 @@ class ModelConfig:
         return (self.hidden_act == "silu" and not self.embed_scale and not self.norm_unit_offset
                 and not self.sandwich_norms and self.query_pre_attn_scalar is None and not self.local_layers
                 and self.final_logit_softcapping is None and not self.moe_layers and not self.o_bias
-                and not self.attention_sinks)
+                and not self.attention_sinks and not self.linear_layers)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with keys and values in the cache (every layer but the linear-attention ones)."""
+        linear = set(self.linear_layers)
+        return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -84,9 +103,11 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         gemma = _gemma_flags(hf) if model_type in GEMMA_TYPES else {}
-        experts = _moe_flags(hf) if model_type in MOE_TYPES else {}
+        experts = _moe_flags(hf) if model_type in (*MOE_TYPES, *HYBRID_TYPES) else {}
         if model_type in GPT_OSS_TYPES:
             experts = _gpt_oss_flags(hf)
+        if model_type in HYBRID_TYPES:
+            experts.update(_hybrid_flags(hf))
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -102,7 +123,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and never writes the flag; Llama-style configs say attention_bias.
             qkv_bias=bool(hf.get("attention_bias", model_type in ("qwen2", *GPT_OSS_TYPES))),
-            qk_norm=model_type in ("qwen3", *GEMMA_TYPES, *MOE_TYPES),
+            qk_norm=model_type in ("qwen3", *GEMMA_TYPES, *MOE_TYPES, *HYBRID_TYPES),
             eos_token_ids=eos_ids,
             **gemma,
             **experts,
@@ -118,6 +139,31 @@ def _moe_flags(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(moe_layers=layers, num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
                 moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def _hybrid_flags(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's fields of ModelConfig beside its experts: which layers are gated DeltaNet (every
+    full_attention_interval-th layer attends), their shape, the gated attention with partial rotary and (1 + w)
+    norms, and the shared expert."""
+    layers = hf["num_hidden_layers"]
+    interval = hf.get("full_attention_interval") or 4
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    params = hf.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return dict(
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+        attention_output_gate=True,
+        norm_unit_offset=True,
+        rotary_dim=int(head_dim * factor) if factor != 1.0 else None,
+        linear_layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        linear_key_heads=hf["linear_num_key_heads"],
+        linear_value_heads=hf["linear_num_value_heads"],
+        linear_key_dim=hf["linear_key_head_dim"],
+        linear_value_dim=hf["linear_value_head_dim"],
+        linear_conv_kernel=hf.get("linear_conv_kernel_dim") or 4,
+    )
 
 
 def _gpt_oss_flags(hf: dict[str, Any]) -> dict[str, Any]:

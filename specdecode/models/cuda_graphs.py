@@ -42,7 +42,7 @@ def use_graphs(model: torch.nn.Module, on: bool = True, capture: bool = True, ca
     static-buffer forwards eagerly (a check on the CPU). `rows_apart`: attention one row at a time in the graphs
     (a verify row's attention is then the one-token forward's wherever both read the same window)."""
     graphs = model.graphs
-    if not on:
+    if not on or model.config.linear_layers:  # recurrent states live outside the graphs' static caches: eager
         model.graphs = None
     elif capture and model.device.type != "cuda":
         raise ValueError(f"CUDA graphs need the model on a CUDA device, not {model.device}")

@@ -10,6 +10,9 @@ own input alone: its experts are added in ascending expert order, starting from 
 forward (with the linear layers on the CPU kernels, bit for bit; on plain nn.Linear, up to float rounding). So a
 verify forward's rows are the one-token forwards' rows, as every method's exactness needs.
 
+Qwen3-Next adds a shared expert (`shared_expert_intermediate_size`): an expert every row runs, its output scaled by
+sigmoid(x W_shared_gate) and added to the routed sum.
+
 Each expert is its own module with its own three matrices (Hugging Face's on-disk names, `experts.{e}.gate_proj`,
 ...), so a checkpoint loads as is, each expert's matrices go on the kernels apart, and a GGUF's 3-D expert tensors
 are kept as one block matrix per expert, read only when routed. transformers' in-memory state dict fuses them
@@ -69,6 +72,11 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size, config.expert_bias,
                                             config.swiglu_limit, config.swiglu_alpha)
                                      for _ in range(config.num_experts))
+        shared = config.shared_expert_intermediate_size
+        if shared:  # transformers' names: shared_expert.{gate,up,down}_proj, shared_expert_gate
+            self.shared_expert = Expert(config.hidden_size, shared)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.shared = bool(shared)
         self.register_load_state_dict_pre_hook(split_fused_experts)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,18 +93,32 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        out = self.routed(flat)
+        if self.shared:
+            out = out + self.shared_part(flat)
+        return out.view(shape)
+
+    def shared_part(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output [N, d], scaled by its gate's sigmoid. The sigmoid runs over each row's gate
+        repeated to a full vector: a lone [N, 1] column would put some rows in torch's scalar tail, which rounds
+        differently from its vector loop, and a row's bits would depend on how many rows share the forward."""
+        gate = torch.sigmoid(self.shared_expert_gate(flat).repeat(1, 16))[:, :1]
+        return self.shared_expert(flat) * gate
+
+    def routed(self, flat: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum over rows flat [N, d] -> [N, d]."""
         weights, chosen = self.route(flat)
         if flat.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph (models/cuda_graphs.py)
-            return self.every_expert(flat, weights, chosen).view(shape)
+            return self.every_expert(flat, weights, chosen)
         out = torch.zeros_like(flat)
         for expert, rows, slots in expert_groups(chosen.tolist()):
             picked = weights[rows, slots][:, None]  # [rows, 1]: each row's weight for this expert
             if len(rows) == flat.shape[0]:  # every row chose it (a one-token step): no gather, no scatter
                 out += self.experts[expert](flat) * picked
             else:
-                at = torch.tensor(rows, device=x.device)
+                at = torch.tensor(rows, device=flat.device)
                 out.index_add_(0, at, self.experts[expert](flat.index_select(0, at)) * picked)
-        return out.view(shape)
+        return out
 
     def every_expert(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The same sum with no host read of the routes (what a CUDA graph can capture): every expert over every

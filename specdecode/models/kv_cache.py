@@ -92,7 +92,8 @@ def bytes_per_token(model: torch.nn.Module) -> int | None:
     try:
         config = model.config
         dtype = getattr(model, "cache_dtype", model.dtype)  # a model through transformers: its own dtype
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+        layers = len(getattr(config, "attention_layers", ())) or config.num_layers  # recurrent layers hold no keys
+        return 2 * layers * config.num_kv_heads * config.head_dim * dtype.itemsize
     except AttributeError:
         return None
 

@@ -1,10 +1,12 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, SmolLM2, Gemma 3, gpt-oss) in one file.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, SmolLM2, Gemma 3, gpt-oss, Qwen3-Next) in
+one file.
 
 Differences between the families are config flags (`qkv_bias`, `qk_norm`, tied embeddings, rope scaling; Gemma 3's
 embedding scale, (1 + w) norms, four norms a layer, GELU, attention scale and sliding-window layers with their own
 rope, models/windows.py; Qwen3-MoE's expert MLPs, models/experts.py; gpt-oss's attention sinks, models/sinks.py,
-output bias, biased experts and YaRN rope), never forked copies. Parameter names are Hugging Face's, so a HF state
-dict loads as is.
+output bias, biased experts and YaRN rope; Qwen3-Next's gated DeltaNet layers, models/deltanet.py, with their
+states in models/state_cache.py, gated attention with partial rotary, and a shared expert), never forked copies.
+Parameter names are Hugging Face's, so a HF state dict loads as is.
 
 Forward contract, shared with `hf_model.HFModel`:
     forward(tokens [B, T], positions [B, T], cache, attn_mask [B, 1, T, S] bool, logits_from, decode,
@@ -36,11 +38,13 @@ from torch import nn
 
 from specdecode.config import ModelConfig
 from specdecode.kernels import cpu_kernels
+from specdecode.models.deltanet import GatedDeltaNet, plan_rows
 from specdecode.models.experts import SparseMoE
 from specdecode.models.gated import silu_mul
 from specdecode.models.kv_cache import NATIVE_KV_DTYPES, KVCache
 from specdecode.models.parts import Part, Segment, row_slots
 from specdecode.models.sinks import sink_attention, sink_decode_attention
+from specdecode.models.state_cache import StateCache
 from specdecode.models.windows import windowed_decode_attention, windowed_segments
 
 
@@ -87,7 +91,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     """The rotary frequencies of the global layers, or (`local`) of the sliding-window layers (their own theta)."""
-    dim = config.head_dim
+    dim = config.rotary_dim or config.head_dim  # partial rotary (Qwen3-Next): the dimensions that turn
     theta = config.rope_local_theta if local else config.rope_theta
     # On the CPU even while a model is built on the meta device: real values, and meta ops import torch's compiler
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
@@ -152,6 +156,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def partial_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotary on each head's first rotary_dim dimensions only (cos, sin [B, 1, T, rotary_dim]), the rest passed
+    through: q [B, T, H, hd], k [B, T, Hkv, hd] -> (q, k, and cos, sin [B, 1, T, hd] of no rotation, which leave
+    every value as it is: x * 1 + y * 0 is x)."""
+    rot = cos.shape[-1]
+    c, s = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, rot]: broadcast over the heads
+    q = torch.cat((q[..., :rot] * c + rotate_half(q[..., :rot]) * s, q[..., rot:]), dim=-1)
+    k = torch.cat((k[..., :rot] * c + rotate_half(k[..., :rot]) * s, k[..., rot:]), dim=-1)
+    shape = (*cos.shape[:-1], head_dim)
+    return q, k, cos.new_ones(shape), sin.new_zeros(shape)
+
+
 def glue_kernels(q: torch.Tensor, k_cache: torch.Tensor):
     """The native kernels where they can do an attention layer's glue: float32 activations on CPU, a float32 or
     bfloat16 cache, head dim a multiple of 8."""
@@ -165,7 +182,10 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
-        self.q_proj = nn.Linear(d, config.num_heads * hd, bias=config.qkv_bias)
+        # Qwen3-Next: each head's query is followed by a gate of its width, the output multiplied by its sigmoid
+        self.output_gate = config.attention_output_gate
+        self.q_proj = nn.Linear(d, config.num_heads * hd * (2 if self.output_gate else 1), bias=config.qkv_bias)
+        self.rotary_dim = config.rotary_dim if config.rotary_dim and config.rotary_dim < hd else None
         self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, d, bias=config.o_bias)
@@ -189,11 +209,18 @@ class Attention(nn.Module):
         segments: list[Segment],  # one per sequence whose rows are in x (a plain forward: one covering all rows)
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        gate = None
+        if self.output_gate:
+            q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.contiguous(), gate.reshape(B, T, -1)
+        else:
+            q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary_dim is not None:  # turned here; every attention path below then turns by the identity
+            q, k, cos, sin = partial_rotary(q, k, cos, sin, self.head_dim)
         if len(segments) == 1:  # the common case slices nothing
             seg = segments[0]
             out = self._attend(q, k, v, cos, sin, seg.cache.k[layer], seg.cache.v[layer], seg)
@@ -204,7 +231,10 @@ class Attention(nn.Module):
                              s.cache.v[layer], s)
                 for s in segments
             ], dim=2)  # fmt: skip
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = out.transpose(1, 2).reshape(B, T, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, seg: Segment) -> torch.Tensor:
@@ -296,7 +326,11 @@ class Block(nn.Module):
         super().__init__()
         d, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_unit_offset
         self.input_layernorm = RMSNorm(d, eps, offset)
-        self.self_attn = Attention(config)
+        self.linear = layer in config.linear_layers  # Qwen3-Next: a gated DeltaNet layer instead of attention
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = Attention(config)
         # llama: the MLP's input norm; with sandwich norms (Gemma), the attention output's, and two around the MLP
         self.post_attention_layernorm = RMSNorm(d, eps, offset)
         self.mlp = SparseMoE(config) if layer in config.moe_layers else MLP(config)
@@ -375,6 +409,9 @@ class Transformer(nn.Module):
             self.register_buffer("inv_freq_local", local if where.type == "meta" else local.to(where),
                                  persistent=False)
         self._local_table: RotaryTable | None = None
+        # each layer's place in the cache: among the attention layers, or (gated DeltaNet) among the recurrent ones
+        kinds = (config.attention_layers, config.linear_layers)
+        self.cache_layer = [kinds[i in config.linear_layers].index(i) for i in range(config.num_layers)]
         self._embed_scales: dict[torch.dtype, torch.Tensor] = {}  # sqrt(hidden_size) per activation dtype
         # Applied from outside, never by the network itself: the native decode stack once its linear layers are on
         # the CPU kernels (models/native.py, applied by weights/quantize.py), and a lone sequence's forwards as
@@ -403,6 +440,9 @@ class Transformer(nn.Module):
         if lend and self.graphs is not None and batch == 1 and (cache := self.graphs.new_cache(max_len)) is not None:
             return cache
         c = self.config
+        if c.linear_layers:  # keys and values of the attention layers, states of the recurrent ones
+            return StateCache(len(c.attention_layers), batch, c.num_kv_heads, max_len, c.head_dim, self.cache_dtype,
+                              self.device, len(c.linear_layers))
         return KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.cache_dtype, self.device)
 
     @property
@@ -529,13 +569,17 @@ class Transformer(nn.Module):
             local_cos, local_sin = self._rotary(positions, x.dtype, local=True) if self.local_rope else (cos, sin)
             local_segments = windowed_segments(segments, positions, self.config.sliding_window)
         captured = []
+        plans = plan_rows(segments) if self.config.linear_layers else None  # each row's parent state, once
         for i, block in enumerate(self.model.layers):
             if i in feature_layers:
                 captured.append(x)
-            if i in local:
-                h = block.self_attn(block.input_layernorm(x), local_cos, local_sin, i, local_segments)
+            at = self.cache_layer[i]  # its keys' (or its recurrent state's) place in the cache
+            if block.linear:
+                h = block.linear_attn(block.input_layernorm(x), at, plans)
+            elif i in local:
+                h = block.self_attn(block.input_layernorm(x), local_cos, local_sin, at, local_segments)
             else:
-                h = block.self_attn(block.input_layernorm(x), cos, sin, i, segments)
+                h = block.self_attn(block.input_layernorm(x), cos, sin, at, segments)
             if block.sandwich:
                 x = x + block.post_attention_layernorm(h)
                 x = x + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(x)))
@@ -588,8 +632,9 @@ class Transformer(nn.Module):
 def rows_exact(model: nn.Module) -> bool:
     """Whether each row of a decode-mode forward is bit for bit what a one-token forward gives, in forwards of any
     size: on the CPU with every linear layer on a kernel (a plain nn.Linear rounds a one-row product differently
-    from a many-row one). Rows computed in one request can then stand for another's (prompt_cache.py)."""
-    return prompt_as_decode_rows(model) and not any(isinstance(m, nn.Linear) for m in model.modules())
+    from a many-row one). Rows computed in one request can then stand for another's (prompt_cache.py). Never with
+    recurrent layers: a prefix is their state too, which copied keys and values do not carry."""
+    return prompt_as_decode_rows(model) and not any(isinstance(m, (nn.Linear, GatedDeltaNet)) for m in model.modules())
 
 
 def prompt_as_decode_rows(model: nn.Module) -> bool:

@@ -117,10 +117,11 @@ class NativeDecode:
         """Every decoder layer's seven linear modules, in order (dictionary lookups: this runs after module edits)."""
         found: list[nn.Module] = []
         for block in self.model.model.layers._modules.values():
-            attn, mlp = block._modules["self_attn"]._modules, block._modules["mlp"]._modules
+            mixer = block._modules.get("self_attn", block._modules.get("linear_attn"))  # gated DeltaNet: no q_proj
+            attn, mlp = mixer._modules, block._modules["mlp"]._modules
             # an experts layer (models/experts.py) has none of the three: None, and the stack is not built
-            found += (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mlp.get("gate_proj"),
-                      mlp.get("up_proj"), mlp.get("down_proj"))  # fmt: skip
+            found += (attn.get("q_proj"), attn.get("k_proj"), attn.get("v_proj"), attn.get("o_proj"),
+                      mlp.get("gate_proj"), mlp.get("up_proj"), mlp.get("down_proj"))  # fmt: skip
         return tuple(found)
 
     def _build_native(self, linears: tuple[nn.Module, ...]):
