@@ -73,7 +73,7 @@ def random_model(shape: dict, dtype: torch.dtype, device: str, seed: int = 0) ->
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    from specdecode.models.model import rope_inv_freq
+    from specdecode.models.rope import rope_inv_freq
 
     model.inv_freq = rope_inv_freq(model.config).to(device)
     return model.eval()
