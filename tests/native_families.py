@@ -124,3 +124,45 @@ def check_greedy_equals_transformers(hf, new_tokens: int = 20) -> None:
     prompt = torch.tensor([PROMPT])
     ref = hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
     assert run(Engine(native(hf), NoDrafter()), PROMPT, max_new=new_tokens) == ref[0, len(PROMPT) :].tolist()
+
+
+# --- GGUF files written with gguf-py for the families' as-stored tests ---
+
+GGUF_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [chr(c) for c in range(33, 92)]  # VOCAB tokens
+
+
+def add_gguf_vocabulary(writer) -> None:
+    """A sentencepiece-style vocabulary of VOCAB tokens (pad, eos, bos, unk, then characters) on a GGUFWriter."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(GGUF_TOKENS)
+    writer.add_token_scores([0.0] * len(GGUF_TOKENS))
+    writer.add_token_types([3, 3, 3, 2] + [1] * (len(GGUF_TOKENS) - 4))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+
+
+def finish_gguf(writer) -> None:
+    """Write the header, the metadata and the tensors added to a GGUFWriter, and close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@torch.no_grad()
+def check_logits_past_the_window(hf, atol: float = 1e-5) -> None:
+    """transformers' logits over 16 tokens (past a window of 4) from the native model three ways: one masked
+    forward, rows one at a time as the engine runs them, and cached in pieces that straddle the window."""
+    model = native(hf)
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    ref = hf(ids).logits
+    for decode in (False, True):
+        out, _ = model(ids, torch.arange(16)[None], model.new_cache(1, 32), chain_mask(0, 16), decode=decode)
+        assert torch.allclose(out, ref, atol=atol), (decode, (out - ref).abs().max())
+    cache, pieces = model.new_cache(1, 32), []
+    for start, end in [(0, 3), (3, 4), (4, 9), (9, 16)]:
+        out, _ = model(ids[:, start:end], torch.arange(start, end)[None], cache, chain_mask(start, end - start),
+                       decode=True)
+        cache.truncate(end)
+        pieces.append(out)
+    assert torch.allclose(torch.cat(pieces, dim=1), ref, atol=atol)

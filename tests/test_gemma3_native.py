@@ -6,10 +6,13 @@ import pytest
 import torch
 from native_families import (
     PROMPT,
+    add_gguf_vocabulary,
     check_every_method,
     check_greedy_equals_transformers,
     check_hf_folder_loads_natively,
+    check_logits_past_the_window,
     check_tree_forward,
+    finish_gguf,
     native,
     run,
 )
@@ -55,22 +58,8 @@ def test_config_flags_and_routing():
 
 @pytest.mark.parametrize("kv_heads", [1, 2])  # 1: the windowed rows on the native kernel; 2: through torch
 @pytest.mark.parametrize("softcap", [None, 5.0])
-@torch.no_grad()
 def test_logits_match_transformers_past_the_window(kv_heads, softcap):
-    hf = gemma_hf(kv_heads=kv_heads, final_logit_softcapping=softcap)
-    model = native(hf)
-    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
-    ref = hf(ids).logits
-    for decode in (False, True):  # one masked call, and rows one at a time as the engine runs them
-        out, _ = model(ids, torch.arange(16)[None], model.new_cache(1, 32), chain_mask(0, 16), decode=decode)
-        assert torch.allclose(out, ref, atol=1e-5), (decode, (out - ref).abs().max())
-    cache, pieces = model.new_cache(1, 32), []  # cached, in pieces that straddle the window
-    for start, end in [(0, 3), (3, 4), (4, 9), (9, 16)]:
-        out, _ = model(ids[:, start:end], torch.arange(start, end)[None], cache, chain_mask(start, end - start),
-                       decode=True)
-        cache.truncate(end)
-        pieces.append(out)
-    assert torch.allclose(torch.cat(pieces, dim=1), ref, atol=1e-5)
+    check_logits_past_the_window(gemma_hf(kv_heads=kv_heads, final_logit_softcapping=softcap))
 
 
 def test_greedy_tokens_equal_transformers():
@@ -93,7 +82,6 @@ def test_an_hf_folder_loads_natively(tmp_path):
 
 # --- a GGUF written with gguf-py, as llama.cpp's converter writes Gemma 3: norms stored as 1 + w ---
 
-GGUF_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [chr(c) for c in range(33, 92)]  # 64 tokens
 
 
 def write_gemma_gguf(path, hf, blocks: str | None = None) -> None:
@@ -113,12 +101,7 @@ def write_gemma_gguf(path, hf, blocks: str | None = None) -> None:
     writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_sliding_window(c.sliding_window)
-    writer.add_tokenizer_model("llama")  # sentencepiece, as Gemma's files are
-    writer.add_token_list(GGUF_TOKENS)
-    writer.add_token_scores([0.0] * len(GGUF_TOKENS))
-    writer.add_token_types([3, 3, 3, 2] + [1] * (len(GGUF_TOKENS) - 4))
-    writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
+    add_gguf_vocabulary(writer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight":
@@ -132,10 +115,7 @@ def write_gemma_gguf(path, hf, blocks: str | None = None) -> None:
             writer.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(f"{names.get_name(base)}.{suffix}", values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 def gguf_gemma_hf():

@@ -8,11 +8,14 @@ import pytest
 import torch
 from native_families import (
     PROMPT,
+    add_gguf_vocabulary,
     check_every_method,
     check_greedy_equals_transformers,
     check_hf_folder_loads_natively,
+    check_logits_past_the_window,
     check_tree_forward,
     check_verify_rows,
+    finish_gguf,
     native,
     run,
 )
@@ -87,22 +90,8 @@ def test_experts_split_from_the_fused_layout():
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
-@torch.no_grad()
 def test_logits_match_transformers_past_the_window(kv_heads):
-    hf = gpt_oss_hf(num_key_value_heads=kv_heads)
-    model = native(hf)
-    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
-    ref = hf(ids).logits
-    for decode in (False, True):  # one masked call, and rows one at a time as the engine runs them
-        out, _ = model(ids, torch.arange(16)[None], model.new_cache(1, 32), chain_mask(0, 16), decode=decode)
-        assert torch.allclose(out, ref, atol=1e-5), (decode, (out - ref).abs().max())
-    cache, pieces = model.new_cache(1, 32), []  # cached, in pieces that straddle the window
-    for start, end in [(0, 3), (3, 4), (4, 9), (9, 16)]:
-        out, _ = model(ids[:, start:end], torch.arange(start, end)[None], cache, chain_mask(start, end - start),
-                       decode=True)
-        cache.truncate(end)
-        pieces.append(out)
-    assert torch.allclose(torch.cat(pieces, dim=1), ref, atol=1e-5)
+    check_logits_past_the_window(gpt_oss_hf(num_key_value_heads=kv_heads))
 
 
 @torch.no_grad()
@@ -160,7 +149,6 @@ def test_yarn_on_a_dense_family(form):
 # --- a GGUF written with gguf-py, as llama.cpp's converter writes gpt-oss: gate and up apart (de-interleaved), each
 # expert tensor [experts, out, in], biases [experts, out], the router and the sinks in float ---
 
-GGUF_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [chr(c) for c in range(33, 92)]  # 64 tokens
 
 
 def gguf_gpt_oss_hf():
@@ -237,22 +225,14 @@ def write_gpt_oss_gguf(path, hf, blocks: str | None = None, expert_blocks: str |
     writer.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_sliding_window(c.sliding_window)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(GGUF_TOKENS)
-    writer.add_token_scores([0.0] * len(GGUF_TOKENS))
-    writer.add_token_types([3, 3, 3, 2] + [1] * (len(GGUF_TOKENS) - 4))
-    writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
+    add_gguf_vocabulary(writer)
     for name, values in gguf_tensors(hf).items():
         values = np.ascontiguousarray(values)
         if (kind := block_kind(name, values, blocks, expert_blocks)) is not None:
             writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 def hold_as_written(hf, blocks: str | None, expert_blocks: str | None) -> None:

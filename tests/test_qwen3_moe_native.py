@@ -7,11 +7,13 @@ import pytest
 import torch
 from native_families import (
     PROMPT,
+    add_gguf_vocabulary,
     check_every_method,
     check_greedy_equals_transformers,
     check_hf_folder_loads_natively,
     check_tree_forward,
     check_verify_rows,
+    finish_gguf,
     native,
     run,
 )
@@ -127,7 +129,6 @@ def test_an_hf_folder_loads_natively(tmp_path):
 
 # --- a GGUF written with gguf-py, as llama.cpp's converter writes Qwen3-MoE: 3-D expert tensors, a float router ---
 
-GGUF_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [chr(c) for c in range(33, 92)]  # 64 tokens
 
 
 def gguf_moe_hf():
@@ -180,12 +181,7 @@ def write_moe_gguf(path, hf, blocks: str | None = None) -> None:
     writer.add_value_length(c.head_dim)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(GGUF_TOKENS)
-    writer.add_token_scores([0.0] * len(GGUF_TOKENS))
-    writer.add_token_types([3, 3, 3, 2] + [1] * (len(GGUF_TOKENS) - 4))
-    writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
+    add_gguf_vocabulary(writer)
     for name, values in gguf_tensors(hf).items():
         values = np.ascontiguousarray(values)
         # the router stays float, as llama.cpp's quantizer keeps it
@@ -194,10 +190,7 @@ def write_moe_gguf(path, hf, blocks: str | None = None) -> None:
             writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 @pytest.mark.parametrize("blocks", [None, "Q8_0"])
