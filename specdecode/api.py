@@ -138,6 +138,8 @@ class SpecDecoder:
                                   "model)")
         if num_draft_tokens is not None and num_draft_tokens < 0:
             raise SpecdecodeError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        if how.precheck is not None:  # before anything loads: a refusal costs no minutes of loading
+            how.precheck(target)
         plan = plan_load(target, draft, o.dtype, device, o.quantize, o.draft_quantize, o.weights, o.kv_dtype)
         models = load_models(target, draft, plan, device, o.draft_adapter, o.draft_vocab, o.draft_vocab_corpus, trained)
         if how.remembers:
@@ -163,6 +165,7 @@ class SpecDecoder:
         chat messages it stays text (text/chat_prompt.py): only the template's markup opens and closes turns."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
+        self._need_tokenizer("a text prompt")
         if isinstance(prompt, str) and not chat:
             return self.tokenizer.encode(prompt)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -192,7 +195,14 @@ class SpecDecoder:
         """Predicted Outputs: the text the answer is expected to be (a file being edited) -> its token ids."""
         if prediction is None or isinstance(prediction, list):
             return prediction
+        self._need_tokenizer("a text prediction")
         return self.tokenizer.encode(prediction, add_special_tokens=False)
+
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise SpecdecodeError(f"{what} needs a tokenizer, and this target ships none (no tokenizer files in its "
+                                  "folder): pass token ids (the Python API takes a list of ints), or add the "
+                                  "tokenizer's files to the folder")
 
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams, chat: bool = False,
                num_draft_tokens: int | None = None, prediction: str | list[int] | None = None) -> Iterator[TextChunk]:

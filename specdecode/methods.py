@@ -26,6 +26,7 @@ from specdecode.drafters import (
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.drafters.hybrid import NGRAM_BRANCHES
 from specdecode.drafters.lookahead import LookaheadDrafter
+from specdecode.drafters.mtp import MtpDrafter, check_mtp_source
 from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.errors import SpecdecodeError
@@ -47,6 +48,7 @@ class Method:
     build: Callable[[Models, bool, int], Drafter]  # (models, tree?, max_ngram) -> the drafter
     remembers: bool = False  # drafts from earlier answers (Models.suffix_pool, --suffix-pool-mb, --suffix-pool)
     advised: bool = False  # `specdecode advise` measures it by default (with each draft model, where it runs one)
+    precheck: Callable[[str], None] | None = None  # the target's source checked before anything loads (may raise)
 
     @property
     def drafts(self) -> bool:
@@ -85,6 +87,13 @@ def _eagle(models: Models, tree: bool, max_ngram: int) -> EagleDrafter:
 
 def _medusa(models: Models, tree: bool, max_ngram: int) -> MedusaDrafter:
     return MedusaDrafter.load(models.trained, models.target, **({} if tree else {"width": 1}))
+
+
+def _mtp(models: Models, tree: bool, max_ngram: int) -> MtpDrafter:
+    if models.source is None:
+        raise SpecdecodeError("--method mtp reads the target checkpoint's MTP layers: load the models with "
+                              "load_models (its source is not known here)")
+    return MtpDrafter.load(models.source, models.target, **({} if tree else {"width": 1}))
 
 
 def _recycle(models: Models, tree: bool, max_ngram: int) -> RecycleDrafter:
@@ -143,6 +152,11 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("medusa", "trained Medusa heads draft a static tree", "medusa", "tree", False, _medusa),
     Method("hybrid-eagle", "prompt lookup where it pays, else a trained EAGLE head", "eagle", "tree", False,
            lambda models, tree, max_ngram: HybridDrafter(_eagle(models, tree, max_ngram), max_ngram)),
+    Method("mtp", "the multi-token-prediction layers the checkpoint ships (Qwen3-Next's mtp.*) draft a tree",
+           None, "tree", True, _mtp, precheck=check_mtp_source),
+    Method("hybrid-mtp", "prompt lookup where it pays, else the checkpoint's multi-token-prediction layers", None,
+           "tree", False, lambda models, tree, max_ngram: HybridDrafter(_mtp(models, tree, max_ngram), max_ngram),
+           precheck=check_mtp_source),
 )}
 DEFAULT_METHOD = "hybrid"
 

@@ -293,3 +293,25 @@ def test_a_gguf_runs_as_stored(tmp_path, monkeypatch, caplog, blocks, expert_blo
         for name, drafter in {"lookahead": LookaheadDrafter(), "ngram-tree": NgramDrafter(branches=4),
                               "self-draft-tree": DraftModelDrafter(model, vocab_size=64, width=2)}.items():
             assert run(Engine(model, drafter, num_draft_tokens=4), PROMPT) == reference, name
+
+
+@torch.no_grad()
+def test_a_gguf_runs_in_float(tmp_path, monkeypatch):
+    """--weights float on a gpt-oss GGUF: transformers' converter cannot read its expert tensors, so our reader's
+    are de-quantized onto the native model; transformers' logits on the weights the file holds."""
+    from specdecode.kernels import cpu_kernels
+    from specdecode.weights import hub
+    from specdecode.weights.loading import load_model
+
+    if cpu_kernels() is None:
+        pytest.skip("the file's blocks are unpacked by the kernels' reader")
+    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)
+    hf = gguf_gpt_oss_hf()
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    write_gpt_oss_gguf(path, hf, "Q8_0", "Q8_0")
+    hold_as_written(hf, "Q8_0", "Q8_0")
+    model, tokenizer = load_model(str(path), torch.float32, weights="float")
+    assert isinstance(model, Transformer) and tokenizer is not None
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(5))
+    out, _ = model(ids, torch.arange(12)[None], model.new_cache(1, 16), chain_mask(0, 12), decode=True)
+    assert torch.allclose(out, hf(ids).logits, atol=1e-4)

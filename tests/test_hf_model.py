@@ -52,3 +52,20 @@ def test_drafts_rolled_back_in_sliding_windows_keep_the_plain_output(target, k):
         engine = Engine(target, drafter, num_draft_tokens=k)
         assert tokens(engine, params) == plain
         assert engine.last.stats.drafted_tokens
+
+
+def test_an_uncovered_family_says_it_runs_through_transformers(tmp_path, caplog):
+    """A family the native model lacks (OLMo 2 here) loads through transformers, with one line saying so."""
+    import transformers
+
+    from specdecode.weights.loading import load_model
+
+    config = transformers.Olmo2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING"):
+        model, _ = load_model(str(tmp_path), torch.float32)
+    assert isinstance(model, HFModel)
+    lines = [r.getMessage() for r in caplog.records if "runs through transformers" in r.getMessage()]
+    assert len(lines) == 1 and "olmo2" in lines[0], lines
+    assert tokens(Engine(model, NoDrafter()), SamplingParams(max_new_tokens=4, ignore_eos=True))

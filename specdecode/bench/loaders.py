@@ -150,7 +150,7 @@ def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, dev
     use_kv_dtype(model, plan.kv_dtype)
     if tokenizer is None:
         raise SpecdecodeError(f"target '{target}' ships no tokenizer; the benchmark needs one to encode prompts")
-    models = BenchModels(Models(model, tokenizer), trained=dict(trained or {}))
+    models = BenchModels(Models(model, tokenizer, source=target), trained=dict(trained or {}))
     ours = [m for m in methods if m != "hf-assisted"]
     if any(needs_draft_model(m) for m in ours if m != TUNED_DRAFT and with_draft(m)[1] is None):
         models.ours.draft, models.ours.draft_head_tokens, models.ours.draft_bridge = load_draft(
@@ -160,11 +160,11 @@ def load_models(target: str, draft: str, methods: list[str], plan: LoadPlan, dev
     if TUNED_DRAFT in methods:
         tuned, head, bridge = load_draft(draft, plan, device, tokenizer, target, draft_adapter, draft_vocab,
                                          draft_vocab_corpus)
-        models.tuned_draft = Models(model, tokenizer, tuned, head, draft_bridge=bridge)
+        models.tuned_draft = Models(model, tokenizer, tuned, head, draft_bridge=bridge, source=target)
     for other in dict.fromkeys(d for m in ours if (d := with_draft(m)[1]) is not None):
         drafted, head, bridge = load_draft(other, plan, device, tokenizer, target, None, draft_vocab,
                                            draft_vocab_corpus)
-        models.drafts[other] = Models(model, tokenizer, drafted, head, draft_bridge=bridge)
+        models.drafts[other] = Models(model, tokenizer, drafted, head, draft_bridge=bridge, source=target)
     # transformers runs a GGUF file de-quantized to bfloat16; a folder as stored in the activations' dtype
     hf_dtype = torch.bfloat16 if plan.weights == "stored" and resolve_source(target).is_file() else plan.dtype
     if any(m in HF_METHODS for m in methods):

@@ -14,7 +14,10 @@ from tokenizers.decoders import DecodeStream
 def decoder_of(tokenizer):
     """ids -> text, special tokens skipped: the `tokenizers` backend's own decode where transformers' wrapper adds
     nothing to it (no clean-up of spaces), which skips the wrapper's Python around every call (two calls a token,
-    each a few tens of microseconds on a step's cold caches); else the tokenizer's `decode`."""
+    each a few tens of microseconds on a step's cold caches); else the tokenizer's `decode`. No tokenizer (a
+    folder without its files, prompted with ids): no text, the ids alone."""
+    if tokenizer is None:
+        return lambda ids: ""
     if (backend := plain_backend(tokenizer)) is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -36,6 +36,9 @@ WEIGHT_FORMS = ("auto", "stored", "float")
 # instead of 10.9, and `hybrid` went from 1.62-1.66x to 1.74-1.75x `none` on the dev sets, acceptance 56% against
 # 58-60% (BENCHMARKS.md, "The draft model in 4-bit blocks")
 STORED_DRAFT_BLOCKS = "q4_0"
+# GGUF architectures whose float form (--weights float) comes from our own reader: transformers' converter does not
+# map gpt-oss's expert tensors (it reported the file incomplete)
+OWN_FLOAT_READER = ("gpt-oss",)
 
 
 def resolve_weights(form: str, source: str, device: str = "cpu", quantize: str = "none") -> str:
@@ -194,10 +197,15 @@ def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: s
         model = widen_embedding_(_native(ckpt.config, ckpt.state_dict, device))
         ckpt.state_dict.clear()  # the model holds the only references: each matrix freed once repacked into tiles
         return say_float16(quantize_(model, "none"), source), ckpt.tokenizer
+    if resolve_source(source).is_file() and gguf_architecture(resolve_source(source)) in OWN_FLOAT_READER:
+        return _float_from_stored(resolve_source(source), dtype, device, quantize)
     ckpt = load_checkpoint(source, dtype)
     if runs_natively(ckpt.config):
         # Every linear layer on the CPU kernel (where it runs), so verify forwards are cheap and exact.
         return quantize_(_native(ckpt.config, ckpt.state_dict, device), quantize), ckpt.tokenizer
+    log.warning("specdecode: %s (%s) has no native implementation here: it runs through transformers, in float "
+                "(%s), draft chains only", ckpt.name, ckpt.config.get("model_type", "unknown architecture"),
+                "de-quantized from the file" if ckpt.path.is_file() else "its weights as saved")
     model = _transformers(ckpt.config, ckpt.state_dict, dtype, device)
     return (quantize_(model, quantize) if quantize != "none" else model), ckpt.tokenizer
 
@@ -213,6 +221,19 @@ def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str) -
     if missing:
         raise SpecdecodeError(f"checkpoint lacks {len(missing)} weights (first: {missing[0]}): the file is incomplete")
     return model.to(device).eval()
+
+
+def _float_from_stored(gguf, dtype: torch.dtype, device: str, quantize: str) -> tuple[Transformer, object]:
+    """A GGUF in float that transformers' converter cannot read: our own reader's tensors (gguf_stored.py), the
+    blocks de-quantized, on the native model."""
+    from specdecode.weights.gguf_stored import load_stored
+
+    ckpt = load_stored(gguf)
+    state = {name: t.to(dtype) for name, t in ckpt.floats.items()}
+    state.update((name, packed.dequantize().to(dtype)) for name, packed in ckpt.packed.items())
+    ckpt.floats.clear()
+    ckpt.packed.clear()
+    return quantize_(_native(ckpt.config, state, device), quantize), ckpt.tokenizer
 
 
 def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None, narrow: str = "none") -> tuple[Transformer, object]:
@@ -290,6 +311,7 @@ class Models:
     draft_bridge: Any = None  # a draft with another tokenizer: the text between the two (token_bridge.TokenBridge)
     trained: str | None = None  # the folder `specdecode train` wrote, for methods that run a trained head
     suffix_pool: Any = None  # earlier answers suffix decoding drafts from (drafters/suffix_pool.py); None: a fresh one
+    source: str | None = None  # what the target was loaded from (its checkpoint's MTP layers are read from there)
 
 
 def load_models(target: str, draft: str | None, plan: LoadPlan, device: str = "cpu", adapter: str | None = None,
@@ -298,7 +320,7 @@ def load_models(target: str, draft: str | None, plan: LoadPlan, device: str = "c
     """The target as `plan` runs it and, when `draft` is given, the draft model (`load_draft`)."""
     model, tokenizer = load_model(target, plan.dtype, device, plan.quantize, plan.weights)
     use_kv_dtype(model, plan.kv_dtype)
-    models = Models(model, tokenizer, trained=trained)
+    models = Models(model, tokenizer, trained=trained, source=target)
     if draft is not None:
         models.draft, models.draft_head_tokens, models.draft_bridge = load_draft(
             draft, plan, device, tokenizer, target, adapter, draft_vocab, draft_vocab_corpus)

@@ -1,0 +1,187 @@
+"""The multi-token-prediction drafter (drafters/mtp.py) on a tiny Qwen3-Next whose checkpoint carries `mtp.*`
+layers: the module's logits against a reference built from transformers' own Qwen3-Next layer and norms, every
+shape of it (and `hybrid-mtp`) giving plain decoding's tokens, and the one-line refusals where a checkpoint has no
+MTP layers."""
+
+import pytest
+import torch
+from native_families import PROMPT, VOCAB, run
+from safetensors.torch import load_file, save_file
+from test_qwen3_next_native import next_hf
+
+from specdecode.config import SamplingParams
+from specdecode.drafters import NoDrafter
+from specdecode.drafters.mtp import MissingMtp, MtpDrafter, MtpHead, carries_mtp, load_mtp_head
+from specdecode.engine.engine import Engine
+from specdecode.errors import SpecdecodeError
+from specdecode.methods import METHODS
+from specdecode.models.masks import chain_mask
+from specdecode.weights.loading import LoadPlan, load_models
+
+
+def reference_layer(hf, seed: int = 5):
+    """A one-layer Qwen3NextModel (full gated attention, experts and the shared expert): the MTP module's decoder
+    layer and final norm, random, its norms and gates random too."""
+    import transformers
+
+    config = hf.config.to_dict()
+    config.update(num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[])
+    config = transformers.Qwen3NextConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("gate.weight"):
+                p.normal_(0, 0.3)
+    return model
+
+
+def mtp_tensors(hf, layer) -> dict[str, torch.Tensor]:
+    """The checkpoint's `mtp.*` tensors: fc and the two input norms random, the layer and the norm `layer`'s."""
+    g = torch.Generator().manual_seed(6)
+    d = hf.config.hidden_size
+    tensors = {"mtp.fc.weight": torch.randn(d, 2 * d, generator=g) * 0.15,
+               "mtp.pre_fc_norm_embedding.weight": torch.randn(d, generator=g) * 0.3,
+               "mtp.pre_fc_norm_hidden.weight": torch.randn(d, generator=g) * 0.3}
+    for name, tensor in layer.state_dict().items():
+        if name.startswith("layers.0.") or name == "norm.weight":
+            tensors["mtp." + name] = tensor.clone()
+    return tensors
+
+
+def save_with_mtp(hf, folder, tensors) -> None:
+    hf.save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    save_file({**weights, **tensors}, folder / "model.safetensors", {"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(the transformers model, its reference MTP layer, a folder holding both, a folder without MTP layers)."""
+    hf = next_hf(seed=1)
+    layer = reference_layer(hf)
+    folder = tmp_path_factory.mktemp("with-mtp")
+    save_with_mtp(hf, folder, mtp_tensors(hf, layer))
+    plain = tmp_path_factory.mktemp("without-mtp")
+    hf.save_pretrained(plain)
+    return hf, layer, folder, plain
+
+
+def loaded(folder):
+    return load_models(str(folder), None, LoadPlan(torch.float32, "float", "none", "float", "none"))
+
+
+@torch.no_grad()
+def test_head_matches_transformers_layer(checkpoint):
+    """Six rows of (the target's hidden state, the next token) -> the module's logits, as the reference computes
+    them: transformers' Qwen3-Next norms on both inputs, fc, its decoder layer and final norm, the target's head."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    hf, layer, folder, _ = checkpoint
+    models = loaded(folder)
+    target, head = models.target, load_mtp_head(folder, models.target)
+    assert carries_mtp(folder) and isinstance(head, MtpHead)
+    ids = torch.tensor([PROMPT[:7]])
+    _, hidden = target(ids, torch.arange(7)[None], target.new_cache(1, 16), chain_mask(0, 7))
+    hidden, nxt = hidden[0, :6], ids[0, 1:7]  # row i: the hidden state at i with the token at i + 1
+    embeds = target.model.embed_tokens(nxt[None])[0]
+    ours = head.logits(head.step(embeds, hidden, torch.arange(6), head.new_cache(16), chain_mask(0, 6)[0, 0]))
+
+    tensors = mtp_tensors(hf, layer)
+    norms = []
+    for name in ("embedding", "hidden"):
+        norm = Qwen3NextRMSNorm(hf.config.hidden_size, eps=hf.config.rms_norm_eps)
+        norm.weight.copy_(tensors[f"mtp.pre_fc_norm_{name}.weight"])
+        norms.append(norm)
+    x = torch.cat((norms[0](hf.model.embed_tokens(nxt)), norms[1](hidden)), dim=-1) @ tensors["mtp.fc.weight"].T
+    out = layer(inputs_embeds=x[None], position_ids=torch.arange(6)[None], use_cache=False).last_hidden_state
+    assert torch.allclose(ours, hf.lm_head(out)[0], atol=1e-4)
+
+
+def test_every_shape_equals_plain_decoding(checkpoint):
+    """mtp (tree and chain) and hybrid-mtp, 1 and 4 tokens a step, and the head drafting whatever its confidence
+    (random layers rarely hit): the tokens of plain decoding; drafts were made and verified."""
+    _, _, folder, _ = checkpoint
+    models = loaded(folder)
+    target = models.target
+    reference = run(Engine(target, NoDrafter()), PROMPT)
+    for k in (1, 4):
+        for name, tree in (("mtp", True), ("mtp", False), ("hybrid-mtp", True)):
+            drafter = METHODS[name].build(models, tree, 3)
+            assert run(Engine(target, drafter, num_draft_tokens=k), PROMPT) == reference, (name, tree, k)
+    eager = MtpDrafter.load(folder, target, min_confidence=0.0)
+    steps = list(Engine(target, eager, num_draft_tokens=4).generate(PROMPT, SamplingParams(max_new_tokens=30)))
+    assert [t for s in steps for t in s.tokens] == reference
+    assert sum(s.num_drafted for s in steps) > 0
+
+
+def test_sampling_with_mtp_is_seeded_and_valid(checkpoint):
+    """Sampling through the MTP drafter runs (its draft probabilities feed the rejection rule): tokens in range,
+    and the same seed gives the same tokens."""
+    _, _, folder, _ = checkpoint
+    models = loaded(folder)
+    params = SamplingParams(temperature=0.8, max_new_tokens=20, seed=3)
+    outs = []
+    for _ in range(2):
+        drafter = MtpDrafter.load(folder, models.target, min_confidence=0.0)
+        steps = Engine(models.target, drafter, num_draft_tokens=3).generate(PROMPT, params)
+        outs.append([t for s in steps for t in s.tokens])
+    assert outs[0] == outs[1] and all(0 <= t < VOCAB for t in outs[0])
+
+
+def test_checkpoint_without_mtp_says_so(checkpoint):
+    _, _, _, plain = checkpoint
+    models = loaded(plain)
+    assert not carries_mtp(plain)
+    with pytest.raises(MissingMtp, match="no multi-token-prediction layers"):
+        METHODS["mtp"].build(models, True, 3)
+    assert issubclass(MissingMtp, SpecdecodeError)
+
+
+def test_gguf_target_says_mtp_layers_are_left_out(tmp_path, checkpoint):
+    models = loaded(checkpoint[3])
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(MissingMtp, match="GGUF conversion leaves"):
+        load_mtp_head(gguf, models.target)
+
+
+def test_refused_before_anything_loads(checkpoint, monkeypatch):
+    """A local folder without MTP layers is refused by SpecDecoder.load before a model is read."""
+    import specdecode.api as api
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(api, "load_models", no_loading)
+    with pytest.raises(MissingMtp, match="no multi-token-prediction layers"):
+        api.SpecDecoder.load(str(checkpoint[3]), method="hybrid-mtp")
+
+
+def test_api_generates_ids_without_a_tokenizer(checkpoint):
+    """The tiny folder ships no tokenizer: ids in, ids out (no text), mtp's equal to none's; a text prompt is one
+    clear error."""
+    from specdecode.api import SpecDecoder
+
+    outs = []
+    for method in ("none", "mtp"):
+        decoder = SpecDecoder.load(str(checkpoint[2]), method=method, dtype="float32", num_draft_tokens=3)
+        result = decoder.generate(PROMPT, SamplingParams(max_new_tokens=16))
+        outs.append(result.token_ids)
+        assert result.text == ""
+    assert outs[0] == outs[1]
+    with pytest.raises(SpecdecodeError, match="needs a tokenizer"):
+        decoder.generate("hello", SamplingParams(max_new_tokens=4))
+
+
+def test_advise_tries_mtp_where_the_checkpoint_carries_it(checkpoint, capsys):
+    import argparse
+
+    from specdecode.advise.cli import candidate_list
+
+    def candidates(folder):
+        return candidate_list(argparse.Namespace(candidates=None, target=str(folder), draft=[], head=[]))
+
+    assert "mtp" in candidates(checkpoint[2])
+    assert "mtp" not in candidates(checkpoint[3])
+    assert "saved without its multi-token-prediction layers" in capsys.readouterr().err
