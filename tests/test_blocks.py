@@ -24,7 +24,9 @@ def random_blocks(type_name: str, out: int, inp: int, seed: int = 0) -> np.ndarr
     rng = np.random.default_rng(seed)
     block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, size=(out, inp // block, block_bytes), dtype=np.uint8)
-    for at in HALF_FIELDS[type_name]:
+    if type_name == "MXFP4":  # an exponent byte: scales 2^-17 .. 2^-3
+        raw[..., 0] = rng.integers(110, 125, size=(out, inp // block))
+    for at in HALF_FIELDS.get(type_name, ()):
         halves = rng.uniform(0.001, 0.02, size=(out, inp // block)).astype(np.float16)
         raw[..., at : at + 2] = halves[..., None].view(np.uint8).reshape(out, inp // block, 2)
     return raw.reshape(out, -1)
@@ -132,15 +134,17 @@ def test_units_shared_guided_or_fixed_give_the_same_bits(type_name, switch_both_
 
 @needs_kernel
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("fill", [0xFF, 0x80])
+@pytest.mark.parametrize("fill", [0xFF, 0x80, 0x77])
 def test_the_largest_codes_and_activations_do_not_overflow(type_name, fill):
     """Every code, scale and min byte at one extreme and every activation at +-127: the integer sums kernels keep in
-    16 bits between widenings (AVX2's vpmaddubsw pairs) must still be exact."""
+    16 bits between widenings (AVX2's vpmaddubsw pairs) must still be exact (0x77: MXFP4's largest code, 28)."""
     raw = random_blocks(type_name, 48, 512).reshape(48, 512 // GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0], -1)
-    halves = {at: raw[..., at : at + 2].copy() for at in HALF_FIELDS[type_name]}
+    halves = {at: raw[..., at : at + 2].copy() for at in HALF_FIELDS.get(type_name, ())}
+    if type_name == "MXFP4":  # its exponent byte
+        halves = {0: raw[..., 0:1].copy()}
     raw[:] = fill
     for at, kept in halves.items():
-        raw[..., at : at + 2] = kept
+        raw[..., at : at + kept.shape[-1]] = kept
     w = from_gguf(type_name, raw.reshape(48, -1), (48, 512))
     layer = QuantLinear(w, None, kernels)
     signs = torch.tensor([1.0, -1.0]).repeat(256)

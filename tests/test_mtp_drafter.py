@@ -3,6 +3,7 @@ layers: the module's logits against a reference built from transformers' own Qwe
 shape of it (and `hybrid-mtp`) giving plain decoding's tokens, and the one-line refusals where a checkpoint has no
 MTP layers."""
 
+import numpy as np
 import pytest
 import torch
 from native_families import PROMPT, VOCAB, run
@@ -138,12 +139,23 @@ def test_checkpoint_without_mtp_says_so(checkpoint):
     assert issubclass(MissingMtp, SpecdecodeError)
 
 
-def test_gguf_target_says_mtp_layers_are_left_out(tmp_path, checkpoint):
+def test_a_gguf_says_what_it_carries(tmp_path, checkpoint):
+    """A GGUF without `nextn` blocks has no MTP layers; one with them is pointed to its HF checkpoint."""
+    import gguf
+
     models = loaded(checkpoint[3])
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
-    with pytest.raises(MissingMtp, match="GGUF conversion leaves"):
-        load_mtp_head(gguf, models.target)
+    for nextn in (0, 1):
+        path = tmp_path / f"model-{nextn}.gguf"
+        writer = gguf.GGUFWriter(str(path), "qwen3next")
+        if nextn:
+            writer.add_uint32("qwen3next.nextn_predict_layers", nextn)
+        writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(MissingMtp, match="reads from a Hugging Face" if nextn else "no `nextn` blocks"):
+            load_mtp_head(path, models.target)
 
 
 def test_refused_before_anything_loads(checkpoint, monkeypatch):

@@ -8,8 +8,9 @@ its shared expert), a final norm, and the target's LM head. Deeper than one toke
 state, as the layer is applied again for each further depth. The embedding and the LM head are the target's (never
 copied); the module's own attention layer keeps its own one-layer KV cache over the committed context.
 
-The weights are read from the checkpoint folder when the method is asked for, not at every load: a converted file
-often leaves them out (GGUF conversions do), and that is said in one line (`MissingMtp`).
+The weights are read from the checkpoint folder when the method is asked for, not at every load; a file without
+them (a converted or re-saved checkpoint, a GGUF: llama.cpp keeps them as `nextn` blocks, not read here) is said
+in one line (`MissingMtp`).
 """
 
 from __future__ import annotations
@@ -163,8 +164,25 @@ def check_mtp_source(source: str) -> None:
 
 
 def gguf_lacks_mtp(path: Path) -> str:
-    return (f"{path.name} carries no multi-token-prediction layers (a GGUF conversion leaves the `mtp.*` tensors "
-            "out); run --method mtp on the Hugging Face checkpoint, or pick another --method")
+    """Why a GGUF file gives no MTP drafter: llama.cpp's converter keeps a Qwen3-Next checkpoint's MTP layers as
+    `nextn` blocks after the others, which this version does not read; most files have none."""
+    if gguf_nextn_layers(path):
+        return (f"{path.name} carries multi-token-prediction layers (`nextn` blocks), which specdecode reads from a "
+                "Hugging Face checkpoint's `mtp.*` tensors only: run --method mtp on the HF folder")
+    return (f"{path.name} carries no multi-token-prediction layers (no `nextn` blocks: its family has none, or its "
+            "conversion left them out): pick another --method")
+
+
+def gguf_nextn_layers(path: Path) -> int:
+    """The file's `<arch>.nextn_predict_layers`, 0 where it has none or cannot be read."""
+    try:
+        import gguf
+
+        fields = gguf.GGUFReader(path).fields
+    except Exception:  # not a GGUF the reader takes: the load says so, in its own words
+        return 0
+    field = next((f for name, f in fields.items() if name.endswith(".nextn_predict_layers")), None)
+    return int(field.parts[field.data[0]][0]) if field is not None else 0
 
 
 def folder_lacks_mtp(source: str | Path) -> str:

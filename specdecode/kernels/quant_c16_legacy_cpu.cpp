@@ -10,6 +10,8 @@
 //   d: [16] float16; Q4_1, Q5_1 also m: [16] float16 (w = d * code + m)
 // Q4_0, Q5_0, Q8_0 are w = d * (code - OFF) with OFF = 8, 16, 128: the offset is taken off the integer sum
 // (sum of code * x minus OFF * sum of x), exactly, before the one float multiply-add per block and row.
+// MXFP4 (4 bits, OFF = 16) stores Q4_0's nibbles, each an index into twice the e2m1 values: one byte shuffle turns
+// a vector of them into the unsigned codes 16 + 2v (4..28), and from there it is Q5_0's sum (blocks.py).
 // Activations: int8 per block of 32 (the row kernel's rounding), their scale, and the sum of their codes.
 #include "aten_lite.h"
 #include <immintrin.h>
@@ -100,6 +102,10 @@ struct Acts {
   int64_t K;
 };
 
+// MXFP4: nibble -> 16 + twice its e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated), for a byte
+// shuffle of 16-byte lanes.
+inline __m128i mxfp4_codes() { return _mm_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4); }
+
 // Block `at`'s bytes, asked for kAhead blocks (5-8 KB) before use, with the build's hint: as quant_c16_cpu.cpp
 // does and for the same reasons; one line two blocks ahead left the draft model's one-token forward ~35% slower.
 constexpr int kAhead = 16;
@@ -123,11 +129,12 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-template <int BITS>
+template <int BITS, int OFF = 0>
 inline __m512i chunk_codes(const Weight& w, int64_t at, int j) {
   if constexpr (BITS == 8) return _mm512_loadu_si512(w.codes + (at * 8 + j) * 64);
   const __m512i packed = _mm512_loadu_si512(w.codes + (at * 4 + j / 2) * 64);
   __m512i codes = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, _mm512_set1_epi8(0x0F));
+  if constexpr (BITS == 4 && OFF == 16) return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(mxfp4_codes()), codes);
   if constexpr (BITS == 5) {  // bit j of each byte -> bit 4
     const __m512i high = _mm512_loadu_si512(w.hi + at * 64);
     const __m512i moved = j <= 4 ? _mm512_slli_epi16(high, 4 - j) : _mm512_srli_epi16(high, j - 4);
@@ -150,7 +157,7 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
       for (int t = 0; t < TILE; ++t) part[s][t] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      const __m512i codes = chunk_codes<BITS>(w, at, j);
+      const __m512i codes = chunk_codes<BITS, OFF>(w, at, j);
       for (int t = 0; t < TILE; ++t)
         part[j % kSplit][t] = _mm512_dpbusd_epi32(part[j % kSplit][t], codes, bcast4(a.q + (m0 + t) * a.K + b * 32 + 4 * j));
     }
@@ -254,11 +261,12 @@ constexpr int kTile = 4;  // both halves' running sums of 4 rows fill the 16 reg
 // overflow) and widened by one vpmaddwd, as quant_c16_cpu.cpp's AVX2 tile does. Q8_0 multiplies |code| by the
 // activation with the code's sign (vpmaddubsw's first operand is unsigned), the sum of code x activation that the
 // AVX-512 tile reaches through the +128 offset: the same integers, and the same float steps lane by lane.
-template <int BITS>
+template <int BITS, int OFF = 0>
 inline __m256i chunk_codes_half(const Weight& w, int64_t at, int j, int h) {
   if constexpr (BITS == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + (at * 8 + j) * 64 + 32 * h));
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + (at * 4 + j / 2) * 64 + 32 * h));
   __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, _mm256_set1_epi8(0x0F));
+  if constexpr (BITS == 4 && OFF == 16) return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(mxfp4_codes()), codes);
   if constexpr (BITS == 5) {  // bit j of each byte -> bit 4
     const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.hi + at * 64 + 32 * h));
     const __m256i moved = j <= 4 ? _mm256_slli_epi16(high, 4 - j) : _mm256_srli_epi16(high, j - 4);
@@ -274,7 +282,8 @@ inline __m256i chunk_codes_half(const Weight& w, int64_t at, int j, int h) {
 // Q4_0 and Q4_1 the same at 1 row and 1.5-1.9x at 2-8.
 template <int BITS, int OFF, int TILE>
 void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int64_t N) {
-  constexpr int kRun = BITS == 4 ? 8 : BITS == 5 ? 4 : 1;  // chunks whose int16 pair sums cannot overflow
+  // chunks whose int16 pair sums cannot overflow (MXFP4's codes reach 28, as 5-bit codes do)
+  constexpr int kRun = BITS == 4 && OFF != 16 ? 8 : BITS <= 5 ? 4 : 1;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[2][TILE];
   for (int h = 0; h < 2; ++h)
@@ -289,7 +298,7 @@ void tile(const Acts& a, const Weight& w, int64_t cg, int64_t m0, float* y, int6
     for (int j = 0; j < 8; ++j) {
       __m256i codes[2], sign[2];
       for (int h = 0; h < 2; ++h) {
-        codes[h] = chunk_codes_half<BITS>(w, at, j, h);
+        codes[h] = chunk_codes_half<BITS, OFF>(w, at, j, h);
         if constexpr (BITS == 8) {  // stored + 128: back to signed, then |code| and its sign
           sign[h] = _mm256_xor_si256(codes[h], _mm256_set1_epi8(static_cast<char>(0x80)));
           codes[h] = _mm256_abs_epi8(sign[h]);
@@ -365,12 +374,13 @@ LinearWork linear_c16_legacy_work(const at::Tensor& x, const at::Tensor& codes, 
   using Seq = std::make_integer_sequence<int, kTile>;
   static const std::vector<TileFn> q4_0 = tiles<4, 8>(Seq{}), q4_1 = tiles<4, 0>(Seq{});
   static const std::vector<TileFn> q5_0 = tiles<5, 16>(Seq{}), q5_1 = tiles<5, 0>(Seq{});
-  static const std::vector<TileFn> q8_0 = tiles<8, 128>(Seq{});
+  static const std::vector<TileFn> q8_0 = tiles<8, 128>(Seq{}), mxfp4 = tiles<4, 16>(Seq{});
   const std::vector<TileFn>* fns = nullptr;
-  if (bits == 4) fns = offset ? &q4_0 : &q4_1;
+  if (bits == 4) fns = offset == 16 ? &mxfp4 : offset ? &q4_0 : &q4_1;
   if (bits == 5) fns = offset ? &q5_0 : &q5_1;
   if (bits == 8 && offset == 128) fns = &q8_0;
-  TORCH_CHECK(fns != nullptr && (offset == 0 || offset == (bits == 8 ? 128 : 1 << (bits - 1))),
+  TORCH_CHECK(fns != nullptr && (offset == 0 || offset == (bits == 8 ? 128 : 1 << (bits - 1)) ||
+                                 (bits == 4 && offset == 16)),
               "no kernel for bits=", bits, " offset=", offset);
   TORCH_CHECK(!bias.numel() || bias.numel() == N, "bias must have one value per output");
   auto& quantized = acts.by_format[-32];  // every 32-weight block type reads these (the k-quants key by G > 0)

@@ -16,6 +16,14 @@ of high bits); nothing is rounded, so the weights are exactly the file's, at abo
   Q5_K   5     256         32     d, dmin, 6-bit scale and min        d * scale * code - dmin * min
   Q6_K   6     256         16     d, int8 scale                       d * scale * code - (32 d) * scale
 
+  MXFP4  4     32          -      d (2^(e - 128))                     d * MXFP4_CODES[nibble] - (16 d)
+
+MXFP4 (gpt-oss's experts: 32 e2m1 values {0, 0.5, 1, 1.5, 2, 3, 4, 6} with a sign, under a power-of-two scale
+2^(e - 127)): twice each value is an integer in -12..12, so its nibble indexes the unsigned code 16 + 2v, and the
+block is Q5_0's formula over codes kept in 4 bits (the kernels turn nibbles into codes with one byte shuffle). A
+layer whose outputs are not a multiple of 16 (no 16-channel kernel) holds the same codes as Q5_0 blocks, 5.5 bits
+a weight; a scale float16 cannot hold (below 2^-24 or above 2^11) leaves the tensor de-quantized.
+
 `quantize_float` writes a float tensor in Q8_0, Q4_0 or Q4_K, so `--quantize` of a float checkpoint runs on the
 same kernels (and a draft model's wider blocks can be written again in fewer bits: `narrowed`).
 `PackedWeight.dequantize` is the plain reference every kernel path is tested against.
@@ -54,6 +62,7 @@ FORMATS = {
     "q4_k": BlockFormat("q4_k", 4, 256, 32, True, True, 144),
     "q5_k": BlockFormat("q5_k", 5, 256, 32, True, True, 176),
     "q6_k": BlockFormat("q6_k", 6, 256, 16, True, True, 210),
+    "mxfp4": BlockFormat("mxfp4", 4, 32, 32, False, True, 17),
 }
 EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
 
@@ -94,6 +103,8 @@ class PackedWeight:
         span = nibble_span(f)
         groups = self.qs.view(out, inp // span, span // 2).int()
         codes = torch.cat((groups & 15, groups >> 4), dim=-1).reshape(out, inp)  # [out, spans, span]
+        if f.name == "mxfp4":  # nibbles index the codes
+            return torch.from_numpy(MXFP4_CODES.astype(np.int32))[codes]
         for plane in range(f.bits - 4 if f.bits in (5, 6) else 0):  # bit k of a plane: bit 4 + plane of code k
             planes = self.qh.view(out, -1, inp // 8)[:, plane].int()  # [out, in / 8]
             bits = (planes[..., None] >> torch.arange(8)) & 1  # [out, in / 8, 8]
@@ -206,14 +217,45 @@ def _q6_k(fmt: BlockFormat, raw: np.ndarray) -> PackedWeight:
     return pack(fmt, codes, d, d * np.float16(32), scales, scales)
 
 
+MXFP4_BLOCK_BYTES = 17  # the exponent byte, then 16 bytes of nibbles (byte j: code j | code j + 16 << 4)
+# nibble -> 16 + twice its e2m1 value (the kernels' shuffle table, quant_c16_legacy_cpu.cpp)
+MXFP4_CODES = np.array([16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4], dtype=np.uint8)
+
+
+def _mxfp4(raw: np.ndarray) -> PackedWeight:
+    """MXFP4 bytes [out, blocks, 17] -> its nibbles under d = 2^(e - 128) (MXFP4 blocks), or where `out` is not a
+    multiple of 16, the same weights as Q5_0 blocks; ValueError where a block's scale is not a float16."""
+    out, blocks, _ = raw.shape
+    exponent = raw[..., 0].astype(np.int32) - 128  # d = 2^(e - 128): half the block's scale, times the doubled values
+    if exponent.size and (exponent.min() < -24 or exponent.max() > 11):  # 16 d must stay a float16 too
+        raise ValueError("an MXFP4 scale outside float16's range")
+    d = np.ldexp(np.float32(1), exponent).astype(np.float16)
+    nibbles = _nibbles(raw[..., 1:17]).reshape(out, -1)
+    if out % 16:
+        return pack(FORMATS["q5_0"], MXFP4_CODES[nibbles], d, d * np.float16(16))
+    return pack(FORMATS["mxfp4"], nibbles, d, d * np.float16(16))
+
+
 _UNPACK = {"q4_0": _legacy, "q4_1": _legacy, "q5_0": _legacy, "q5_1": _legacy, "q8_0": _legacy,
            "q4_k": _q45_k, "q5_k": _q45_k, "q6_k": _q6_k}  # fmt: skip
 
 
+def mxfp4_as_q5_0(packed: PackedWeight) -> PackedWeight:
+    """MXFP4 blocks as the Q5_0 blocks holding the same weights, for a reader without MXFP4's code table (the
+    embedding's row lookup)."""
+    codes = packed.codes().numpy().astype(np.uint8)
+    return pack(FORMATS["q5_0"], codes, packed.d.numpy(), packed.dmin.numpy())
+
+
+UNPACKED_TYPES = tuple(FORMATS)  # GGUF block types (lower case) the kernels run
+
+
 def from_gguf(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
     """A GGUF tensor's bytes [out, row_bytes] of block type `type_name` (e.g. 'Q4_K') -> PackedWeight."""
-    fmt = FORMATS[type_name.lower()]
     out, inp = shape
+    if type_name.lower() == "mxfp4":
+        return _mxfp4(np.asarray(raw).reshape(out, inp // 32, MXFP4_BLOCK_BYTES))
+    fmt = FORMATS[type_name.lower()]
     return _UNPACK[fmt.name](fmt, np.asarray(raw).reshape(out, inp // fmt.superblock, fmt.block_bytes))
 
 

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from specdecode.errors import SpecdecodeError
 from specdecode.weights import hub
-from specdecode.weights.blocks import FORMATS, PackedWeight, from_gguf, narrowed, with_rows
+from specdecode.weights.blocks import FORMATS, UNPACKED_TYPES, PackedWeight, from_gguf, narrowed, with_rows
 from specdecode.weights.files import (
     conversion_prefix,
     gguf_config,
@@ -86,9 +86,9 @@ GPT_OSS_NAMES = [
 FAMILY_NAMES = {"gemma3_text": GEMMA3_NAMES, "qwen3_moe": QWEN3MOE_NAMES, "gpt_oss": GPT_OSS_NAMES}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 PACKED_FIELDS = ("qs", "qh", "scales", "mins", "d", "dmin")
-# of blocks.PackedWeight and the float matrices (4: F16 and BF16 ones kept in 16 bits); part of the cache folder's
-# name, so a new layout never reads an old folder
-LAYOUT = 4
+# of blocks.PackedWeight and the float matrices (4: F16 and BF16 ones kept in 16 bits; 5: MXFP4 as Q5_0 blocks);
+# part of the cache folder's name, so a new layout never reads an old folder
+LAYOUT = 5
 
 
 @dataclass
@@ -158,8 +158,10 @@ def _unpack_gguf(gguf: Path, out: Path, narrow: str) -> None:
         full_shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
         kind = mapped.rpartition(".")[0].rpartition(".")[2]  # e.g. q_proj
         for name, data, shape in expert_matrices(mapped, t.data, full_shape):
-            if type_name.lower() in FORMATS and len(shape) == 2:
-                packed = guard_gguf(gguf, lambda: from_gguf(type_name, data, shape))  # noqa: B023 - called at once
+            packed = None
+            if type_name.lower() in UNPACKED_TYPES and len(shape) == 2:
+                packed = unpacked(gguf, type_name, data, shape, warned)
+            if packed is not None:
                 if kind in permute:
                     packed = with_rows(packed, permute[kind])
                 if narrow != "none" and name != "model.embed_tokens.weight":  # the embedding (and a head tied to
@@ -182,6 +184,22 @@ def _unpack_gguf(gguf: Path, out: Path, narrow: str) -> None:
     if "lm_head.weight" not in formats and "lm_head.weight" not in tensors:
         config.tie_word_embeddings = True
     write_folder(out, config, tensors, gguf_tokenizer(gguf), {"block_formats": json.dumps(formats)})
+
+
+def unpacked(gguf: Path, type_name: str, data: np.ndarray, shape: tuple[int, ...],
+             warned: set[str]) -> PackedWeight | None:
+    """One matrix's blocks in the kernels' layout; None where MXFP4's scales do not fit the Q5_0 form it runs
+    as (that matrix then runs de-quantized, said once)."""
+    if type_name == "MXFP4":
+        try:
+            return from_gguf(type_name, data, shape)
+        except ValueError:
+            if "MXFP4 scales" not in warned:
+                warned.add("MXFP4 scales")
+                log.warning("specdecode: an MXFP4 tensor's scales fall outside float16's range; running it "
+                            "de-quantized")
+            return None
+    return guard_gguf(gguf, lambda: from_gguf(type_name, data, shape))
 
 
 def float_tensor(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Tensor:

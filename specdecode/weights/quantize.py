@@ -22,12 +22,13 @@ from torch import nn
 from specdecode.errors import SpecdecodeError
 from specdecode.kernels import cpu_kernels
 from specdecode.models.native import apply_native
-from specdecode.weights.blocks import PackedWeight, quantize_float
+from specdecode.weights.blocks import PackedWeight, mxfp4_as_q5_0, quantize_float
 
 MODES = ("none", "q8_0", "q4_0", "q4_k")
 SUPERBLOCK = {"q8_0": 32, "q4_0": 32, "q4_k": 256}  # the input dimension must be a whole number of these
 ALIASES = {"int8": "q8_0", "int4": "q4_k"}
-LEGACY_OFFSETS = {"q4_0": 8, "q5_0": 16, "q8_0": 128}  # w = d (code - offset); Q4_1 and Q5_1 keep a min instead
+# w = d (code - offset) (MXFP4: its nibbles turned into codes first, blocks.py); Q4_1 and Q5_1 keep a min instead
+LEGACY_OFFSETS = {"q4_0": 8, "q5_0": 16, "q8_0": 128, "mxfp4": 16}
 # kernels.LinearOp kinds (kernels/layer_cpu.h)
 OP_C16, OP_C16_LEGACY, OP_ROWS, OP_FP32, OP_BF16, OP_BF16_TILES, OP_F16 = range(7)
 FLOAT_OPS = {torch.float32: OP_FP32, torch.bfloat16: OP_BF16, torch.float16: OP_F16}
@@ -143,6 +144,8 @@ class QuantLinear(nn.Module):
                                                            offset == 0))
             kind, ints = OP_C16_LEGACY, [f.bits, offset]
         else:
+            if f.name == "mxfp4":  # blocks.py writes it so only where the outputs fill 16-channel vectors
+                raise ValueError("MXFP4 blocks run on the 16-channel kernels only: outputs must be a multiple of 16")
             self.tensors = packed.tensors()
             kind, ints = OP_ROWS, [f.bits, f.superblock, f.group]
         self.op = kernels.LinearOp(kind, list(self.tensors), bias32, ints)  # the kernel and its arguments
@@ -188,6 +191,8 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, packed: PackedWeight, dtype: torch.dtype) -> None:
         super().__init__()
+        if packed.format.name == "mxfp4":  # the row lookup reads codes, not MXFP4's nibble table
+            packed = mxfp4_as_q5_0(packed)
         self.packed = packed
         self.dtype = dtype
         self._rows: dict[int, torch.Tensor] = {}  # token -> its row, oldest first
