@@ -5,8 +5,10 @@ same file, and the cost curve the planner measures for it.
     python scripts/real_shapes.py --shape qwen3-30b-a3b --layers 4 --blocks Q4_0 --sizes 1,2,4,8,16
 
 Shapes: `qwen3-30b-a3b` (Qwen3-30B-A3B's layer: 2048 wide, 128 experts of 768, 8 a token, 32 query and 4 KV heads of
-128) and `gpt-oss-20b` (2880 wide, 32 experts of 2880, 4 a token, 64 query and 8 KV heads of 64, sinks, a window of 128
-on every other layer). The vocabulary is 1,024 made-up tokens, so the head and the embedding cost next to nothing and
+128), `gpt-oss-20b` (2880 wide, 32 experts of 2880, 4 a token, 64 query and 8 KV heads of 64, sinks, a window of 128
+on every other layer) and `qwen3-next-80b-a3b` (2048 wide, 512 experts of 512, 10 a token, and a shared one; three
+gated DeltaNet layers in four, 16 key and 32 value heads of 128, then gated attention, 16 query and 2 KV heads of
+256, a quarter rotating: `--layers 4` is one of each pattern). The vocabulary is 1,024 made-up tokens, so the head and the embedding cost next to nothing and
 a forward's time is its layers'. The blocks' codes are random bytes under one small scale (no float weights are ever
 made: a real layer is 0.6-0.8 billion weights), the router in float32 as llama.cpp's quantizer keeps it. Rows are
 distinct random tokens, so they route to many experts, as a verify forward's rows do (an upper bound on the union).
@@ -42,11 +44,17 @@ class Shape:
     expert_width: int
     rope_theta: float
     window: int = 0  # gpt-oss: the sliding window of every other layer
+    shared_width: int = 0  # Qwen3-Next: the shared expert's width, and its gated DeltaNet layers (3 in 4):
+    linear_heads: tuple[int, int] = (0, 0)  # key and value heads
+    linear_dim: int = 0  # of a key (and value) head
+    rotary: int = 0  # rotated dimensions of a full-attention head (0: all)
 
 
 SHAPES = {
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 32, 4, 128, 128, 8, 768, 1e6),
     "gpt-oss-20b": Shape("gpt-oss", 2880, 64, 8, 64, 32, 4, 2880, 150000.0, window=128),
+    "qwen3-next-80b-a3b": Shape("qwen3next", 2048, 16, 2, 256, 512, 10, 512, 1e7, shared_width=512,
+                                linear_heads=(16, 32), linear_dim=128, rotary=64),
 }
 
 
@@ -85,6 +93,15 @@ def write(path: Path, shape: Shape, layers: int, kind: str, expert_kind: str | N
     writer.add_value_length(s.head_dim)
     writer.add_rope_freq_base(s.rope_theta)
     writer.add_layer_norm_rms_eps(1e-6)
+    if s.arch == "qwen3next":
+        writer.add_expert_shared_feed_forward_length(s.shared_width)
+        writer.add_rope_dimension_count(s.rotary)
+        writer.add_ssm_conv_kernel(4)
+        writer.add_ssm_state_size(s.linear_dim)
+        writer.add_ssm_group_count(s.linear_heads[0])
+        writer.add_ssm_time_step_rank(s.linear_heads[1])
+        writer.add_ssm_inner_size(s.linear_heads[1] * s.linear_dim)
+        writer.add_full_attention_interval(4)
     if s.window:
         writer.add_sliding_window(s.window)
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -113,10 +130,30 @@ def write(path: Path, shape: Shape, layers: int, kind: str, expert_kind: str | N
     for i in tqdm(range(layers), desc=f"write {path.name}", unit="layer"):
         b = f"blk.{i}."
         floats(b + "attn_norm.weight", d, ones=True)
-        matrix(b + "attn_q.weight", q, d)
-        matrix(b + "attn_k.weight", kv, d)
-        matrix(b + "attn_v.weight", kv, d)
-        matrix(b + "attn_output.weight", d, q)
+        if s.arch == "qwen3next" and (i + 1) % 4:  # a gated DeltaNet layer
+            keys, values = s.linear_heads[0] * s.linear_dim, s.linear_heads[1] * s.linear_dim
+            matrix(b + "attn_qkv.weight", 2 * keys + values, d)
+            matrix(b + "attn_gate.weight", values, d)
+            matrix(b + "ssm_ba.weight", 2 * s.linear_heads[1], d)
+            floats(b + "ssm_conv1d.weight", 2 * keys + values, 4, scale=0.3)
+            floats(b + "ssm_dt.bias", s.linear_heads[1], scale=0.1)
+            writer.add_tensor(b + "ssm_a", -rng.uniform(0.1, 1.0, s.linear_heads[1]).astype(np.float32))
+            floats(b + "ssm_norm.weight", s.linear_dim, ones=True)
+            matrix(b + "ssm_out.weight", d, values)
+        else:
+            matrix(b + "attn_q.weight", 2 * q if s.arch == "qwen3next" else q, d)  # Qwen3-Next: a gate per query
+            matrix(b + "attn_k.weight", kv, d)
+            matrix(b + "attn_v.weight", kv, d)
+            matrix(b + "attn_output.weight", d, q)
+        if s.arch == "qwen3next":
+            floats(b + "post_attention_norm.weight", d, ones=True)
+            if (i + 1) % 4 == 0:
+                floats(b + "attn_q_norm.weight", s.head_dim, ones=True)
+                floats(b + "attn_k_norm.weight", s.head_dim, ones=True)
+            floats(b + "ffn_gate_inp_shexp.weight", d, scale=0.02)
+            matrix(b + "ffn_gate_shexp.weight", s.shared_width, d)
+            matrix(b + "ffn_up_shexp.weight", s.shared_width, d)
+            matrix(b + "ffn_down_shexp.weight", d, s.shared_width)
         floats(b + "ffn_gate_inp.weight", s.experts, d, scale=0.02)
         matrix(b + "ffn_gate_exps.weight", s.experts, s.expert_width, d)
         matrix(b + "ffn_up_exps.weight", s.experts, s.expert_width, d)
@@ -125,7 +162,7 @@ def write(path: Path, shape: Shape, layers: int, kind: str, expert_kind: str | N
             floats(b + "attn_q_norm.weight", s.head_dim, ones=True)
             floats(b + "attn_k_norm.weight", s.head_dim, ones=True)
             floats(b + "ffn_norm.weight", d, ones=True)
-        else:  # gpt-oss: biases everywhere, sinks, the norm before the experts under its own name
+        elif s.arch == "gpt-oss":  # biases everywhere, sinks, the norm before the experts under its own name
             floats(b + "post_attention_norm.weight", d, ones=True)
             floats(b + "attn_sinks.weight", s.heads, scale=0.5)
             floats(b + "ffn_gate_inp.bias", s.experts, scale=0.02)

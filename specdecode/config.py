@@ -16,7 +16,7 @@ from specdecode.errors import SpecdecodeError
 # Families model.py implements natively; anything else goes through hf_model.HFModel.
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gpt_oss", "qwen3_next")
 # GGUF `general.architecture` names of the same families (a GGUF's gemma3 is transformers' gemma3_text)
-NATIVE_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
+NATIVE_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "qwen3next")
 GEMMA_TYPES = ("gemma3_text",)
 MOE_TYPES = ("qwen3_moe",)  # a mixture-of-experts MLP in some layers (models/experts.py)
 GPT_OSS_TYPES = ("gpt_oss",)  # experts in every layer, attention sinks, sliding-window layers

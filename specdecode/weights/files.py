@@ -37,9 +37,10 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from specdecode.errors import SpecdecodeError
-from specdecode.weights import hub
+from specdecode.weights import gguf_qwen3next, hub
 from specdecode.weights.gguf_gpt_oss import ARCHITECTURE as GPT_OSS
 from specdecode.weights.gguf_gpt_oss import gpt_oss_config_fields, readable_by_transformers
+from specdecode.weights.gguf_qwen3next import ARCHITECTURE as QWEN3NEXT
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GGUF_MAGIC = b"GGUF"
@@ -170,6 +171,11 @@ def gguf_config(gguf: Path) -> tuple[Any, torch.nn.Module]:
     """The HF config a GGUF file's metadata describes, and a meta-device model of it (for parameter names)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    if gguf_architecture(gguf) == QWEN3NEXT:  # transformers refuses the architecture: the file's metadata, read here
+        import gguf as gguf_package  # looked up at the call: the reader one_gguf_parse shares
+
+        hf = gguf_qwen3next.config_fields(guard_gguf(gguf, lambda: gguf_package.GGUFReader(gguf)))
+        return _config_and_skeleton(hf)
     reader = gpt_oss_reader(gguf)
     with readable_by_transformers(reader) as rope_scaling:  # gpt-oss: fields transformers misreads, hidden from it
         parsed = guard_gguf(gguf, functools.partial(load_gguf_checkpoint, str(gguf), return_tensors=False))
@@ -180,6 +186,10 @@ def gguf_config(gguf: Path) -> tuple[Any, torch.nn.Module]:
     if hf.get("model_type") == "qwen3_moe" and "moe_intermediate_size" not in hf:
         # transformers reads no expert width from a qwen3moe file (its default is one real model's, 768)
         hf["moe_intermediate_size"] = _gguf_int(gguf, "qwen3moe.expert_feed_forward_length", 768)
+    return _config_and_skeleton(hf)
+
+
+def _config_and_skeleton(hf: dict[str, Any]) -> tuple[Any, torch.nn.Module]:
     config = AutoConfig.for_model(**hf)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -340,6 +350,8 @@ def gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
     if isinstance(gguf_package.GGUFReader, type):  # outside a conversion: these readers share one parse too (and
         with one_gguf_parse():  # readable_by_transformers reaches the one transformers reads)
             return gguf_tokenizer(gguf)
+    if gguf_architecture(gguf) == QWEN3NEXT:
+        return guard_gguf(gguf, functools.partial(gguf_qwen3next.tokenizer, gguf))
     metadata, _ = guard_gguf(gguf, functools.partial(read_gguf_metadata, str(gguf)))
     with readable_by_transformers(gpt_oss_reader(gguf)):
         tokenizer = guard_gguf(gguf, functools.partial(AutoTokenizer.from_pretrained, gguf.parent,

@@ -6,8 +6,9 @@ read ~1 GB from disk and parse nothing. Norms and biases stay float32. Tensor na
 so the native model takes them like any checkpoint. Block types the kernel does not run (Q2_K, Q3_K, IQ*, ...)
 are de-quantized to float32, with a warning naming the type. Gemma 3's norm weights stay as the file holds them,
 1 + w (llama.cpp's converter adds the 1): loading.py runs them as plain multipliers, never adding it twice. A
-mixture of experts' 3-D expert tensors become one matrix per expert (Qwen3-MoE, gpt-oss; gpt-oss's MXFP4 experts
-have no integer kernel and run de-quantized, with that warning).
+mixture of experts' 3-D expert tensors become one matrix per expert (Qwen3-MoE, gpt-oss, Qwen3-Next; gpt-oss's
+MXFP4 experts run on their own integer kernel). Qwen3-Next's DeltaNet tensors are put back as Hugging Face lays them
+out (gguf_qwen3next.py).
 
 A draft model's linear layers can be written again in fewer bits per weight at that step (`narrow`, e.g. 'q4_0':
 blocks.narrowed): its guesses then read fewer bytes, and never change the output. Such a folder is cached apart.
@@ -29,7 +30,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specdecode.errors import SpecdecodeError
-from specdecode.weights import hub
+from specdecode.weights import gguf_qwen3next, hub
 from specdecode.weights.blocks import FORMATS, UNPACKED_TYPES, PackedWeight, from_gguf, narrowed, with_rows
 from specdecode.weights.files import (
     conversion_prefix,
@@ -83,10 +84,14 @@ GPT_OSS_NAMES = [
     *QWEN3MOE_NAMES,
 ]
 # by transformers' model type, tried before NAMES
-FAMILY_NAMES = {"gemma3_text": GEMMA3_NAMES, "qwen3_moe": QWEN3MOE_NAMES, "gpt_oss": GPT_OSS_NAMES}
+FAMILY_NAMES = {"gemma3_text": GEMMA3_NAMES, "qwen3_moe": QWEN3MOE_NAMES, "gpt_oss": GPT_OSS_NAMES,
+                "qwen3_next": [*gguf_qwen3next.NAMES, *QWEN3MOE_NAMES]}
+# by model type: a family's tensors after the names are mapped, as its model reads them (the converter's changes
+# undone)
+FAMILY_FINISH = {"qwen3_next": gguf_qwen3next.finish}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 PACKED_FIELDS = ("qs", "qh", "scales", "mins", "d", "dmin")
-# of blocks.PackedWeight and the float matrices (4: F16 and BF16 ones kept in 16 bits; 5: MXFP4 as Q5_0 blocks);
+# of blocks.PackedWeight and the float matrices (4: F16 and BF16 ones kept in 16 bits; 5: MXFP4's own blocks);
 # part of the cache folder's name, so a new layout never reads an old folder
 LAYOUT = 5
 
@@ -148,7 +153,7 @@ def _unpack_gguf(gguf: Path, out: Path, narrow: str) -> None:
     reader = guard_gguf(gguf, lambda: gguf_package.GGUFReader(gguf))
     permute = _llama_permutation(config) if config.model_type in ("llama", "mistral") else {}
     tensors: dict[str, Tensor] = {}
-    formats: dict[str, str] = {}
+    blocks: dict[str, PackedWeight] = {}
     warned: set[str] = set()
     for t in tqdm(reader.tensors, desc=f"unpack {gguf.name}", unit="tensor", leave=False):
         mapped = hf_name(t.name, config.model_type)
@@ -166,10 +171,7 @@ def _unpack_gguf(gguf: Path, out: Path, narrow: str) -> None:
                     packed = with_rows(packed, permute[kind])
                 if narrow != "none" and name != "model.embed_tokens.weight":  # the embedding (and a head tied to
                     packed = narrowed(packed, narrow)  # it) is looked up a row at a time: no reads per token
-                formats[name] = packed.format.name
-                for field in PACKED_FIELDS:
-                    if (value := getattr(packed, field)).numel():
-                        tensors[f"{name}:{field}"] = value
+                blocks[name] = packed
                 continue
             if type_name not in FLOAT_TYPES and type_name not in warned:
                 warned.add(type_name)
@@ -178,6 +180,14 @@ def _unpack_gguf(gguf: Path, out: Path, narrow: str) -> None:
             value = float_tensor(data, type_name, shape) if type_name in FLOAT_TYPES else torch.from_numpy(
                 np.array(dequantize(data, t.tensor_type), dtype=np.float32)).reshape(shape)
             tensors[name] = value[permute[kind]] if kind in permute else value
+    if (finish := FAMILY_FINISH.get(config.model_type)) is not None:  # what its converter changed, undone
+        finish(config, blocks, tensors)
+    formats: dict[str, str] = {}
+    for name, packed in blocks.items():
+        formats[name] = packed.format.name
+        for field in PACKED_FIELDS:
+            if (value := getattr(packed, field)).numel():
+                tensors[f"{name}:{field}"] = value
     expected = unfused_names(skeleton.state_dict()) - {"lm_head.weight"}
     if missing := sorted(expected - set(formats) - set(tensors)):
         raise SpecdecodeError(f"{gguf} lacks {len(missing)} tensors (first: {missing[0]}); the file is incomplete")

@@ -37,8 +37,8 @@ WEIGHT_FORMS = ("auto", "stored", "float")
 # 58-60% (BENCHMARKS.md, "The draft model in 4-bit blocks")
 STORED_DRAFT_BLOCKS = "q4_0"
 # GGUF architectures whose float form (--weights float) comes from our own reader: transformers' converter does not
-# map gpt-oss's expert tensors (it reported the file incomplete)
-OWN_FLOAT_READER = ("gpt-oss",)
+# map gpt-oss's expert tensors (it reported the file incomplete) and refuses Qwen3-Next's architecture
+OWN_FLOAT_READER = ("gpt-oss", "qwen3next")
 
 
 def resolve_weights(form: str, source: str, device: str = "cpu", quantize: str = "none") -> str:
@@ -210,8 +210,12 @@ def load_model(source: str, dtype: torch.dtype, device: str = "cpu", quantize: s
     return (quantize_(model, quantize) if quantize != "none" else model), ckpt.tokenizer
 
 
-def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str) -> Transformer:
+def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str, gguf_norms: bool = False
+            ) -> Transformer:
+    """`gguf_norms`: norm weights as a GGUF holds them (1 + w already added where the family adds it)."""
     config = ModelConfig.from_hf(hf_config)
+    if gguf_norms:
+        config = dataclasses.replace(config, norm_unit_offset=False)
     with torch.device("meta"):  # no random init of weights that are replaced at once
         model = Transformer(config)
     model.load_state_dict(state_dict, strict=False, assign=True)
@@ -233,7 +237,7 @@ def _float_from_stored(gguf, dtype: torch.dtype, device: str, quantize: str) -> 
     state.update((name, packed.dequantize().to(dtype)) for name, packed in ckpt.packed.items())
     ckpt.floats.clear()
     ckpt.packed.clear()
-    return quantize_(_native(ckpt.config, state, device), quantize), ckpt.tokenizer
+    return quantize_(_native(ckpt.config, state, device, gguf_norms=True), quantize), ckpt.tokenizer
 
 
 def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None, narrow: str = "none") -> tuple[Transformer, object]:
