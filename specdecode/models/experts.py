@@ -29,6 +29,11 @@ from torch import nn
 
 from specdecode.config import ModelConfig
 from specdecode.models.gated import silu_mul
+from specdecode.models.linear_groups import kernel_ops, kernel_rows, together
+
+# values a row's shared-expert gate is repeated to for its sigmoid: whole steps of torch's vector loop (two vectors
+# of 16 floats on AVX-512, of 8 on AVX2) for any number of rows, so no row reaches the loop's scalar tail
+SIGMOID_SPAN = 64
 
 
 class Expert(nn.Module):
@@ -43,13 +48,22 @@ class Expert(nn.Module):
         self.limit, self.alpha = limit, alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activation(*self.gate_up(x)))
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x W_gate and x W_up: on the CPU kernels in one parallel region (each output the bits of its own call)."""
+        gate, up = together(x, (self.gate_proj, self.up_proj))
+        return gate, up
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """What the down projection reads: elementwise, so rows of several experts stacked give each its bits."""
         if self.limit is None:
-            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        gate = self.gate_proj(x).clamp(max=self.limit)
-        up = self.up_proj(x).clamp(-self.limit, self.limit)
+            return silu_mul(gate, up)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
         # gate * sigmoid(alpha gate) = silu(alpha gate) / alpha, on silu_mul's kernel: torch's sigmoid rounds an
         # element differently in its vector loop and its scalar tail, so a row's bits would depend on the others
-        return self.down_proj(silu_mul(gate * self.alpha, (up + 1) * (1 / self.alpha)))
+        return silu_mul(gate * self.alpha, (up + 1) * (1 / self.alpha))
 
 
 class Router(nn.Linear):
@@ -93,16 +107,45 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if flat.shape[0] == 1 and (out := self.one_row(flat)) is not None:
+            return out.view(shape)
         out = self.routed(flat)
         if self.shared:
             out = out + self.shared_part(flat)
         return out.view(shape)
 
+    def one_row(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """A one-token step's row [1, d]: every chosen expert's (and the shared expert's) gate and up projections
+        in one call of the kernels, their SwiGLU in one, then each down projection, summed as `routed` and
+        `shared_part` sum them: the same operations on the same values, the same bits, a tenth of the calls (each
+        cost ~10 us a layer's worth of experts). None where the kernels do not run it."""
+        kernels = kernel_rows(flat)
+        if kernels is None:
+            return None
+        weights, chosen = self.route(flat)
+        picks = sorted(zip(chosen[0].tolist(), range(self.top_k)))  # (expert, its slot), ascending experts
+        layers = [m for e, _ in picks for m in (self.experts[e].gate_proj, self.experts[e].up_proj)]
+        if self.shared:
+            layers += [self.shared_expert.gate_proj, self.shared_expert.up_proj, self.shared_expert_gate]
+        if (ops := kernel_ops(layers)) is None:
+            return None
+        outs = kernels.run_linears(flat, ops)
+        k = len(picks)
+        act = self.experts[0].activation(torch.cat(outs[0 : 2 * k : 2]), torch.cat(outs[1 : 2 * k : 2]))  # [k, I]
+        out = torch.zeros_like(flat)
+        for j, (e, slot) in enumerate(picks):
+            out += self.experts[e].down_proj(act[j : j + 1]) * weights[:, slot : slot + 1]
+        if self.shared:
+            gate = torch.sigmoid(outs[-1].repeat(1, SIGMOID_SPAN))[:, :1]  # as shared_part
+            out = out + self.shared_expert.down_proj(silu_mul(outs[-3], outs[-2])) * gate
+        return out
+
     def shared_part(self, flat: torch.Tensor) -> torch.Tensor:
         """The shared expert's output [N, d], scaled by its gate's sigmoid. The sigmoid runs over each row's gate
-        repeated to a full vector: a lone [N, 1] column would put some rows in torch's scalar tail, which rounds
-        differently from its vector loop, and a row's bits would depend on how many rows share the forward."""
-        gate = torch.sigmoid(self.shared_expert_gate(flat).repeat(1, 16))[:, :1]
+        repeated to SIGMOID_SPAN values: a lone [N, 1] column (or one row of 16) would put some rows in torch's
+        scalar tail, which rounds differently from its vector loop (two vectors a step), and a row's bits would
+        depend on how many rows share the forward."""
+        gate = torch.sigmoid(self.shared_expert_gate(flat).repeat(1, SIGMOID_SPAN))[:, :1]
         return self.shared_expert(flat) * gate
 
     def routed(self, flat: torch.Tensor) -> torch.Tensor:

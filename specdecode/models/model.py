@@ -40,6 +40,7 @@ from specdecode.models.deltanet import GatedDeltaNet, plan_rows
 from specdecode.models.experts import SparseMoE
 from specdecode.models.gated import silu_mul
 from specdecode.models.kv_cache import NATIVE_KV_DTYPES, KVCache
+from specdecode.models.linear_groups import together
 from specdecode.models.parts import Part, Segment, row_slots
 from specdecode.models.rope import (
     RotaryTable,
@@ -137,13 +138,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         gate = None
+        q, k, v = together(x, (self.q_proj, self.k_proj, self.v_proj))  # one kernel call where they run there
         if self.output_gate:
-            q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             q, gate = q.contiguous(), gate.reshape(B, T, -1)
         else:
-            q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+            q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_dim is not None:  # turned here; every attention path below then turns by the identity
