@@ -26,7 +26,7 @@ from specdecode.drafters import (
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.drafters.hybrid import NGRAM_BRANCHES
 from specdecode.drafters.lookahead import LookaheadDrafter
-from specdecode.drafters.mtp import MtpDrafter, check_mtp_source
+from specdecode.drafters.mtp import MtpDrafter, check_mtp_source, ships_mtp
 from specdecode.drafters.recycle import RecycleDrafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.errors import SpecdecodeError
@@ -49,6 +49,8 @@ class Method:
     remembers: bool = False  # drafts from earlier answers (Models.suffix_pool, --suffix-pool-mb, --suffix-pool)
     advised: bool = False  # `specdecode advise` measures it by default (with each draft model, where it runs one)
     precheck: Callable[[str], None] | None = None  # the target's source checked before anything loads (may raise)
+    # Whether a target runs it, for the lists of methods tried by default (bench, advise); None: every target
+    offered: Callable[[str], bool] | None = None
 
     @property
     def drafts(self) -> bool:
@@ -153,10 +155,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("hybrid-eagle", "prompt lookup where it pays, else a trained EAGLE head", "eagle", "tree", False,
            lambda models, tree, max_ngram: HybridDrafter(_eagle(models, tree, max_ngram), max_ngram)),
     Method("mtp", "the multi-token-prediction layers the checkpoint ships (Qwen3-Next's mtp.*) draft a tree",
-           None, "tree", True, _mtp, precheck=check_mtp_source),
+           None, "tree", True, _mtp, precheck=check_mtp_source, offered=lambda target: ships_mtp(target) is True),
     Method("hybrid-mtp", "prompt lookup where it pays, else the checkpoint's multi-token-prediction layers", None,
            "tree", False, lambda models, tree, max_ngram: HybridDrafter(_mtp(models, tree, max_ngram), max_ngram),
-           precheck=check_mtp_source),
+           precheck=check_mtp_source, offered=lambda target: ships_mtp(target) is True),
 )}
 DEFAULT_METHOD = "hybrid"
 

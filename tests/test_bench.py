@@ -69,10 +69,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-# Every method but llama.cpp's, which run GGUF files only (tested on a real one in test_e2e_stored.py), and the
-# trained drafters, which need a trained folder (test_trained.py).
+# Every method but llama.cpp's, which run GGUF files only (tested on a real one in test_e2e_stored.py), the trained
+# drafters, which need a trained folder (test_trained.py), and those needing layers a model may lack (mtp:
+# test_mtp_drafter.py).
 METHODS = [m for m in all_methods() if not m.startswith(("llamacpp", "draft-lora"))
-           and METHODS.get(drafter_and_shape(m)[0], METHODS["none"]).head is None]
+           and METHODS.get(drafter_and_shape(m)[0], METHODS["none"]).head is None
+           and METHODS.get(drafter_and_shape(m)[0], METHODS["none"]).offered is None]
 
 
 def _args(root: Path, *extra: str) -> list[str]:

@@ -197,3 +197,15 @@ def test_advise_tries_mtp_where_the_checkpoint_carries_it(checkpoint, capsys):
     assert "mtp" in candidates(checkpoint[2])
     assert "mtp" not in candidates(checkpoint[3])
     assert "saved without its multi-token-prediction layers" in capsys.readouterr().err
+
+
+def test_bench_runs_mtp_by_default_only_where_the_target_has_the_layers(checkpoint):
+    import argparse
+
+    from specdecode.bench.cli import default_methods
+
+    def defaults(folder):
+        return default_methods(argparse.Namespace(target=str(folder), eagle=None, medusa=None, draft_adapter=None))
+
+    assert {"mtp", "hybrid-mtp", "mtp-tree", "mtp-chain"} <= set(defaults(checkpoint[2]))
+    assert not [m for m in defaults(checkpoint[3]) if "mtp" in m]

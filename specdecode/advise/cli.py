@@ -22,6 +22,7 @@ from typing import Any
 from specdecode.advise.measure import measure
 from specdecode.advise.prompts import prompts_from_data
 from specdecode.advise.recommend import advice, summaries, table
+from specdecode.drafters.mtp import ships_mtp
 from specdecode.errors import SpecdecodeError
 from specdecode.methods import METHODS, heads
 
@@ -112,26 +113,12 @@ def candidate_list(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     for folder in args.head:
         kind = _head_kind(folder)
         out[kind] = {"method": kind, "draft": folder}
-    if (mtp := mtp_layers(args.target)) is True:  # the checkpoint's own drafter
+    if (mtp := ships_mtp(args.target)) is True:  # the checkpoint's own drafter
         out["mtp"] = {"method": "mtp", "draft": None}
     elif mtp is False:
         print(f"specdecode advise: {args.target} was saved without its multi-token-prediction layers (no `mtp.*` "
               "tensors), so --method mtp is not tried", file=sys.stderr)
     return out
-
-
-def mtp_layers(target: str) -> bool | None:
-    """True where a local HF folder carries MTP layers, False where its family ships them and it does not
-    (converted or re-saved without), None otherwise (no local folder, or a family without them)."""
-    from specdecode.drafters.mtp import MTP_FAMILIES, carries_mtp
-
-    folder = Path(target).expanduser()
-    if not (folder / "config.json").is_file():
-        return None
-    if carries_mtp(folder):
-        return True
-    family = json.loads((folder / "config.json").read_text()).get("model_type")
-    return False if family in MTP_FAMILIES else None
 
 
 def _head_kind(folder: str) -> str:

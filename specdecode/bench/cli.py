@@ -131,9 +131,17 @@ def head_folders(args: argparse.Namespace) -> dict[str, str | None]:
 
 
 def default_methods(args: argparse.Namespace) -> list[str]:
-    """Every method, but a trained one only when its folder was given."""
+    """Every method, but a trained one only when its folder was given, and one a target may lack the layers of
+    (mtp) only where it has them."""
     given = {**head_folders(args), TUNED_DRAFT: args.draft_adapter}
-    return [m for m in all_methods() if given.get(m if m == TUNED_DRAFT else drafter_and_shape(m)[0], True)]
+
+    def offered(method: str) -> bool:
+        name = drafter_and_shape(method)[0]
+        how = METHODS.get(name)
+        return how is None or how.offered is None or how.offered(args.target)
+
+    return [m for m in all_methods()
+            if given.get(m if m == TUNED_DRAFT else drafter_and_shape(m)[0], True) and offered(m)]
 
 
 def trained_folders(args: argparse.Namespace, methods: list[str]) -> dict[str, str]:

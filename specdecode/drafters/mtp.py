@@ -210,6 +210,19 @@ def read_mtp_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def ships_mtp(target: str) -> bool | None:
+    """True where `target` is a local HF folder carrying MTP layers, False where its family ships them and it does
+    not (converted or re-saved without), None otherwise (not a local folder, or a family without them). Reads
+    names only."""
+    folder = Path(target).expanduser()
+    if not (folder / "config.json").is_file():
+        return None
+    if carries_mtp(folder):
+        return True
+    family = json.loads((folder / "config.json").read_text()).get("model_type")
+    return False if family in MTP_FAMILIES else None
+
+
 def carries_mtp(folder: Path) -> bool:
     """Whether an HF folder's weights hold MTP layers (names only; nothing is read)."""
     from safetensors import safe_open
@@ -224,4 +237,4 @@ def carries_mtp(folder: Path) -> bool:
     return False
 
 
-__all__ = ["MissingMtp", "MtpDrafter", "MtpHead", "carries_mtp", "check_mtp_source", "load_mtp_head"]
+__all__ = ["MissingMtp", "MtpDrafter", "MtpHead", "carries_mtp", "check_mtp_source", "load_mtp_head", "ships_mtp"]
