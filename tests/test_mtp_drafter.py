@@ -209,3 +209,17 @@ def test_bench_runs_mtp_by_default_only_where_the_target_has_the_layers(checkpoi
 
     assert {"mtp", "hybrid-mtp", "mtp-tree", "mtp-chain"} <= set(defaults(checkpoint[2]))
     assert not [m for m in defaults(checkpoint[3]) if "mtp" in m]
+
+
+def test_requests_batched_with_mtp_give_their_own_tokens(checkpoint):
+    """Requests joining a running batch, each drafting with its fork of the MTP drafter (its own MTP cache, the
+    target's features of its own rows), give plain decoding's tokens."""
+    from test_batch import run_batch
+
+    models = loaded(checkpoint[2])
+    target = models.target
+    prompts = [PROMPT, [5, 9, 5, 9, 5, 9, 3], list(range(20, 40))]
+    params = SamplingParams(max_new_tokens=12)
+    alone = [run(Engine(target, NoDrafter()), p, 12) for p in prompts]
+    engine = Engine(target, MtpDrafter.load(checkpoint[2], target, min_confidence=0.0), num_draft_tokens=3)
+    assert run_batch(engine, [(p, params) for p in prompts], arrivals=[0, 1, 3]) == alone
