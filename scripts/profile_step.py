@@ -188,16 +188,24 @@ def llamacpp_one_token(args) -> dict[str, float]:
             for name, model in (("target", args.target), ("draft (plain decoder)", args.draft))}
 
 
+def in_blocks(model) -> bool:
+    """Whether a model's linear layers run on the integer kernels (weights in blocks)."""
+    from specdecode.weights.quantize import QuantLinear
+
+    return any(isinstance(m, QuantLinear) for m in model.modules())
+
+
 def _share(gflops: float, peak: float) -> str:
     return f" ({100 * gflops / peak:.0f}%)" if peak else ""
 
 
 def print_forwards(rows: list[dict], llamacpp: dict[str, float] | None = None, peak: float = 0.0) -> None:
-    """`peak`: the machine's bfloat16 tile peak in GFLOP/s (0: none here)."""
+    """`peak`: the peak of the target's weights' kernels in G(FL)OP/s: int8 dot products for blocks, bfloat16
+    tiles for bfloat16 weights (0: none here)."""
     print("\n### Forwards (median of the repeats; floor = bytes read / the best bandwidth read beside the row)\n")
     stages = list(dict.fromkeys(stage for r in rows for stage in r["split_ms"]))
     print("| model | rows | ms (min-max) | MB read (layers + head + KV) | GB/s beside | floor ms | share of floor | "
-          "linear GFLOP/s (share of the bf16 tile peak) | " + " | ".join(stages) + " | fork-joins (ms if empty) |")
+          "linear GFLOP/s (share of the kernels' peak) | " + " | ".join(stages) + " | fork-joins (ms if empty) |")
     print("|---|---:|---|---|---:|---:|---:|---:|" + "---:|" * len(stages) + "---:|")
     for r in rows:
         mb = r["mb_read"]
@@ -292,11 +300,18 @@ def main() -> None:
     kernels = cpu_kernels()
     region_s = kernels.parallel_region_seconds(2000) if hasattr(kernels, "parallel_region_seconds") else 0.0
     print(f"one empty fork-join of the thread team {region_s * 1e6:.1f} us")
-    peak = kernels.bf16_tile_peak_flops() / 1e9 if hasattr(kernels, "bf16_tile_peak_flops") else 0.0
-    if peak:  # what a prompt's chunk (--rows 512) is measured against
-        print(f"bfloat16 AMX tile peak {peak:.0f} GFLOP/s (back-to-back tile products, every thread)")
+    # What a prompt's chunk (--rows 512) is measured against: the int8 dot-product peak for weights in blocks (the
+    # integer kernels), the bfloat16 tile peak for bfloat16 weights where AMX runs them
+    tiles = kernels.bf16_tile_peak_flops() / 1e9 if hasattr(kernels, "bf16_tile_peak_flops") else 0.0
+    if tiles:
+        print(f"bfloat16 AMX tile peak {tiles:.0f} GFLOP/s (back-to-back tile products, every thread)")
+    int8 = kernels.int8_dot_peak_ops() / 1e9 if hasattr(kernels, "int8_dot_peak_ops") else 0.0
+    if int8:
+        print(f"int8 dot-product peak {int8:.0f} GOP/s (back-to-back u8 x s8 dot products, every thread)")
     report: dict = {"cpu": cpu_model(), "flags": flags, "threads": torch.get_num_threads(), "bandwidth_gbs": bw,
-                    "fork_join_us": region_s * 1e6, "bf16_tile_peak_gflops": peak, "forwards": [], "steps": {}}
+                    "fork_join_us": region_s * 1e6, "bf16_tile_peak_gflops": tiles, "int8_dot_peak_gops": int8,
+                    "forwards": [], "steps": {}}
+    peak = 0.0
 
     sd = None
     for method in args.methods.split(","):
@@ -311,6 +326,7 @@ def main() -> None:
                 models.append(("draft (plain decoder)", plain, [1]))
             for name, model, sizes in models:
                 report["forwards"] += forward_table(name, model, args, region_s, sizes)
+            peak = int8 if in_blocks(sd.engine.target) else tiles  # the target's weights' peak
             if args.llamacpp:
                 report["llamacpp_ms"] = llamacpp_one_token(args)
             bw += read_bandwidth()

@@ -38,5 +38,6 @@ def test_layer_stages_are_timed_only_while_profiling():
 def test_probes_measure_something():
     assert 0 < kernels.parallel_region_seconds(10) < 0.01
     assert kernels.read_seconds(torch.ones(1 << 16)) > 0
+    assert kernels.int8_dot_peak_ops(10000) > 0  # the integer kernels' peak a prompt's forward is measured against
     with pytest.raises(RuntimeError, match="multiple of 64"):
         kernels.read_seconds(torch.ones(100))

@@ -16,6 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_tile_peak_flops", &bf16_tile_peak_flops, "FLOP/s of back-to-back bfloat16 tile products on every "
         "thread: the peak a prompt's forward is measured against (0 where no tiles run)",
         py::arg("products") = 4000000);
+  m.def("int8_dot_peak_ops", &int8_dot_peak_ops, "operations a second (a multiply and an add each) of back-to-back "
+        "int8 dot products on every thread: the peak a prompt's forward on the integer kernels is measured against",
+        py::arg("steps") = 20000000);
   m.def("linear_bf16_tiles", &linear_bf16_tiles, "y = x @ W^T + b, W bfloat16 in tile layout, x rounded to "
         "bfloat16, float32 sums; every row as a one-row call computes it");
   m.def("linear_quant", &linear_quant, "y = x @ W^T + b, W in GGUF-style blocks, x quantized per row, integer dots");

@@ -101,6 +101,7 @@ LinearWork linear_bf16_tiles_work(const at::Tensor& x, const at::Tensor& tiles, 
                                   QuantizedActs& acts);
 at::Tensor linear_bf16_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& bias);
 double bf16_tile_peak_flops(int64_t products);  // this machine's bfloat16 tile peak, FLOP/s (0: no tiles here)
+double int8_dot_peak_ops(int64_t steps);  // this machine's int8 dot-product peak, operations a second
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh,
                         const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& d,
                         const at::Tensor& dmin, const at::Tensor& bias, int64_t bits, int64_t S, int64_t G);

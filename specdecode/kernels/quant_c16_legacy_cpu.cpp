@@ -17,6 +17,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -427,4 +429,54 @@ at::Tensor linear_c16_legacy(const at::Tensor& x, const at::Tensor& codes, const
                              int64_t bits, int64_t offset) {
   QuantizedActs acts;
   return run_alone(linear_c16_legacy_work(x, codes, hi, d, dmin, bias, bits, offset, acts));
+}
+
+// Integer multiply-adds a second, as operations (a multiply and an add per weight and activation), of back-to-back
+// u8 x s8 dot products on registers, every thread of the team at once: the peak a prompt's forward on the integer
+// kernels is measured against (profile_step.py). The instructions the 32-weight tiles above use: vpdpbusd on
+// AVX-512 VNNI, AVX-VNNI's on AVX2 machines with it, else vpmaddubsw then vpmaddwd.
+double int8_dot_peak_ops(int64_t steps) {
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> sink{0};
+  volatile int8_t seed = 1;  // values the compiler cannot fold the loop over
+  const auto began = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    constexpr int kAcc = 8;  // independent chains: the instruction's latency hidden behind its throughput
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    const __m512i a = _mm512_set1_epi8(seed), b = _mm512_set1_epi8(static_cast<char>(seed + 1));
+    __m512i acc[kAcc];
+    for (auto& v : acc) v = _mm512_setzero_si512();
+    for (int64_t i = 0; i < steps; ++i)
+      for (auto& v : acc) v = _mm512_dpbusd_epi32(v, a, b);
+    int64_t total = 0;
+    for (auto& v : acc) total += _mm512_reduce_add_epi32(v);
+#else
+    const __m256i a = _mm256_set1_epi8(seed), b = _mm256_set1_epi8(static_cast<char>(seed + 1));
+    __m256i acc[kAcc];
+    for (auto& v : acc) v = _mm256_setzero_si256();
+#if defined(__AVXVNNI__)
+    for (int64_t i = 0; i < steps; ++i)
+      for (auto& v : acc) v = _mm256_dpbusd_avx_epi32(v, a, b);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < steps; ++i)
+      for (auto& v : acc) v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
+#endif
+    alignas(32) int32_t lanes[8];
+    int64_t total = 0;
+    for (auto& v : acc) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+      for (int32_t x : lanes) total += x;
+    }
+#endif
+    sink += total;
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  constexpr double kMacs = 64;  // per instruction: 16 lanes of 4 products
+#else
+  constexpr double kMacs = 32;
+#endif
+  if (sink.load() == 42) return 0.0;  // keeps the sums live
+  return static_cast<double>(threads) * static_cast<double>(steps) * 8 * kMacs * 2 / seconds;
 }
