@@ -135,10 +135,11 @@ def default_methods(args: argparse.Namespace) -> list[str]:
     (mtp) only where it has them."""
     given = {**head_folders(args), TUNED_DRAFT: args.draft_adapter}
 
+    target = getattr(args, "target", None)
+
     def offered(method: str) -> bool:
-        name = drafter_and_shape(method)[0]
-        how = METHODS.get(name)
-        return how is None or how.offered is None or how.offered(args.target)
+        how = METHODS.get(drafter_and_shape(method)[0])
+        return how is None or how.offered is None or (target is not None and how.offered(target))
 
     return [m for m in all_methods()
             if given.get(m if m == TUNED_DRAFT else drafter_and_shape(m)[0], True) and offered(m)]
