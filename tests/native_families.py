@@ -141,6 +141,62 @@ def add_gguf_vocabulary(writer) -> None:
     writer.add_eos_token_id(1)
 
 
+def gguf_writer(path, architecture: str, c, rope_theta: float, experts: int = 0, expert_width: int = 0):
+    """A GGUFWriter for `architecture` with the keys every family writes from its transformers config `c`
+    (layers, widths, heads, rope base, norm epsilon; expert count and width where given)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    if experts:
+        writer.add_expert_feed_forward_length(expert_width)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    return writer
+
+
+def add_gguf_tensors(writer, tensors: dict, blocks: str | None, in_blocks) -> None:
+    """Each of `tensors` (llama.cpp's names -> float arrays) on a GGUFWriter: in `blocks` where `in_blocks(name,
+    values)` says so (a family keeps its router, vectors and the like float, as llama.cpp's quantizer does), else
+    float32."""
+    import gguf
+    import numpy as np
+
+    for name, values in tensors.items():
+        values = np.ascontiguousarray(values)
+        if blocks is not None and in_blocks(name, values):
+            kind = gguf.GGMLQuantizationType[blocks]
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, values)
+
+
+def load_gguf_as_stored(tmp_path, monkeypatch, name: str, hf, write):
+    """`write(path, hf)` a GGUF in tmp_path, then load it as stored (its unpacked folder in tmp_path too) -> (the
+    native model, its tokenizer); skips where the CPU kernels do not build."""
+    import pytest
+
+    from specdecode.kernels import cpu_kernels
+    from specdecode.weights import hub
+    from specdecode.weights.loading import load_model
+
+    if cpu_kernels() is None:
+        pytest.skip("weights as stored run on the CPU kernels")
+    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)  # the unpacked folder
+    path = tmp_path / name
+    write(path, hf)
+    return load_model(str(path), torch.float32, weights="stored")
+
+
 def finish_gguf(writer) -> None:
     """Write the header, the metadata and the tensors added to a GGUFWriter, and close the file."""
     writer.write_header_to_file()

@@ -13,6 +13,7 @@ from native_families import (
     check_logits_past_the_window,
     check_tree_forward,
     finish_gguf,
+    gguf_writer,
     native,
     run,
 )
@@ -89,17 +90,7 @@ def write_gemma_gguf(path, hf, blocks: str | None = None) -> None:
     import numpy as np
 
     c = hf.config
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer = gguf_writer(path, "gemma3", c, c.rope_parameters["full_attention"]["rope_theta"])
     writer.add_sliding_window(c.sliding_window)
     add_gguf_vocabulary(writer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)

@@ -16,6 +16,7 @@ from native_families import (
     check_tree_forward,
     check_verify_rows,
     finish_gguf,
+    gguf_writer,
     native,
     run,
 )
@@ -207,19 +208,7 @@ def write_gpt_oss_gguf(path, hf, blocks: str | None = None, expert_blocks: str |
     import gguf
 
     c = hf.config
-    writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_expert_feed_forward_length(c.intermediate_size)
-    writer.add_expert_count(c.num_local_experts)
-    writer.add_expert_used_count(c.num_experts_per_tok)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer = gguf_writer(path, "gpt-oss", c, c.rope_parameters["rope_theta"], c.num_local_experts, c.intermediate_size)
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(c.rope_parameters["factor"])
     writer.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 from native_families import (
     PROMPT,
+    add_gguf_tensors,
     add_gguf_vocabulary,
     check_every_method,
     check_greedy_equals_transformers,
@@ -14,6 +15,8 @@ from native_families import (
     check_tree_forward,
     check_verify_rows,
     finish_gguf,
+    gguf_writer,
+    load_gguf_as_stored,
     native,
     run,
 )
@@ -164,32 +167,13 @@ def gguf_tensors(hf) -> dict[str, np.ndarray]:
 
 
 def write_moe_gguf(path, hf, blocks: str | None = None) -> None:
-    import gguf
 
     c = hf.config
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
-    writer.add_expert_count(c.num_experts)
-    writer.add_expert_used_count(c.num_experts_per_tok)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer = gguf_writer(path, "qwen3moe", c, c.rope_parameters["rope_theta"], c.num_experts, c.moe_intermediate_size)
     add_gguf_vocabulary(writer)
-    for name, values in gguf_tensors(hf).items():
-        values = np.ascontiguousarray(values)
-        # the router stays float, as llama.cpp's quantizer keeps it
-        if blocks is not None and values.ndim >= 2 and "ffn_gate_inp" not in name:
-            kind = gguf.GGMLQuantizationType[blocks]
-            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, values)
+    # the router stays float, as llama.cpp's quantizer keeps it
+    add_gguf_tensors(writer, gguf_tensors(hf), blocks,
+                     lambda name, values: values.ndim >= 2 and "ffn_gate_inp" not in name)
     finish_gguf(writer)
 
 
@@ -198,24 +182,17 @@ def write_moe_gguf(path, hf, blocks: str | None = None) -> None:
 def test_a_gguf_runs_as_stored(tmp_path, monkeypatch, blocks):
     import gguf
 
-    from specdecode.kernels import cpu_kernels
-    from specdecode.weights import hub
-    from specdecode.weights.loading import load_model
     from specdecode.weights.quantize import KernelLinear, QuantLinear
 
-    if cpu_kernels() is None:
-        pytest.skip("weights as stored run on the CPU kernels")
-    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)  # the unpacked folder
     hf = gguf_moe_hf()
-    path = tmp_path / "tiny-qwen3moe.gguf"
-    write_moe_gguf(path, hf, blocks)
+    model, tokenizer = load_gguf_as_stored(tmp_path, monkeypatch, "tiny-qwen3moe.gguf", hf,
+                                           lambda path, hf: write_moe_gguf(path, hf, blocks))
     if blocks is not None:  # the reference on the weights the file holds (blocks run along each matrix's rows)
         kind = gguf.GGMLQuantizationType[blocks]
         for name, p in hf.named_parameters():
             if p.dim() >= 2 and not name.endswith("mlp.gate.weight"):
                 held = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), kind), kind)
                 p.copy_(torch.from_numpy(np.array(held)).reshape(p.shape))
-    model, tokenizer = load_model(str(path), torch.float32, weights="stored")
     assert isinstance(model, Transformer) and tokenizer is not None
     assert model.config.moe_layers == (0, 1, 2) and model.config.moe_intermediate_size == 32
     moe = model.model.layers[0].mlp

@@ -6,7 +6,16 @@ blocks alike, and every method's greedy output equals plain decoding's."""
 import numpy as np
 import pytest
 import torch
-from native_families import PROMPT, add_gguf_vocabulary, drafters, finish_gguf, run
+from native_families import (
+    PROMPT,
+    add_gguf_tensors,
+    add_gguf_vocabulary,
+    drafters,
+    finish_gguf,
+    gguf_writer,
+    load_gguf_as_stored,
+    run,
+)
 from test_qwen3_next_native import next_hf
 
 from specdecode.drafters import NoDrafter
@@ -63,24 +72,10 @@ def gguf_tensors(hf) -> dict[str, np.ndarray]:
 
 
 def write_next_gguf(path, hf, blocks: str | None = None) -> None:
-    import gguf
 
     c = hf.config
-    writer = gguf.GGUFWriter(str(path), "qwen3next")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer = gguf_writer(path, "qwen3next", c, c.rope_parameters["rope_theta"], c.num_experts, c.moe_intermediate_size)
     writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_expert_count(c.num_experts)
-    writer.add_expert_used_count(c.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
     writer.add_ssm_state_size(c.linear_key_head_dim)
@@ -89,33 +84,20 @@ def write_next_gguf(path, hf, blocks: str | None = None) -> None:
     writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
     writer.add_full_attention_interval(2)
     add_gguf_vocabulary(writer)
-    for name, values in gguf_tensors(hf).items():
-        values = np.ascontiguousarray(values)
-        # matrices whose inputs fill Q8_0's blocks; the router, vectors and the convolution stay float
-        if blocks and values.ndim >= 2 and values.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name \
-                and "conv1d" not in name:
-            kind = gguf.GGMLQuantizationType[blocks]
-            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, values)
+    # matrices whose inputs fill Q8_0's blocks; the router, vectors and the convolution stay float
+    add_gguf_tensors(writer, gguf_tensors(hf), blocks, lambda name, values: values.ndim >= 2 and
+                     values.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name and "conv1d" not in name)
     finish_gguf(writer)
 
 
 @pytest.mark.parametrize("blocks", [None, "Q8_0"])
 @torch.no_grad()
 def test_a_gguf_runs_as_stored(tmp_path, monkeypatch, blocks):
-    from specdecode.kernels import cpu_kernels
-    from specdecode.weights import hub
-    from specdecode.weights.loading import load_model
     from specdecode.weights.quantize import QuantLinear
 
-    if cpu_kernels() is None:
-        pytest.skip("weights as stored run on the CPU kernels")
-    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)  # the unpacked folder
     hf = gguf_hf()
-    path = tmp_path / "tiny-qwen3-next.gguf"
-    write_next_gguf(path, hf, blocks)
-    model, tokenizer = load_model(str(path), torch.float32, weights="stored")
+    model, tokenizer = load_gguf_as_stored(tmp_path, monkeypatch, "tiny-qwen3-next.gguf", hf,
+                                           lambda path, hf: write_next_gguf(path, hf, blocks))
     assert isinstance(model, Transformer) and tokenizer is not None
     c = model.config
     assert c.linear_layers == (0, 2) and c.moe_layers == (0, 1, 2, 3) and c.rotary_dim == 4
