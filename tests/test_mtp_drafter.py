@@ -12,7 +12,7 @@ from test_qwen3_next_native import next_hf
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import NoDrafter
-from specdecode.drafters.mtp import MissingMtp, MtpDrafter, MtpHead, carries_mtp, load_mtp_head
+from specdecode.drafters.mtp import MissingMtp, MtpDrafter, MtpHead, carries_mtp, check_mtp_source, load_mtp_head
 from specdecode.engine.engine import Engine
 from specdecode.errors import SpecdecodeError
 from specdecode.methods import METHODS
@@ -140,22 +140,57 @@ def test_checkpoint_without_mtp_says_so(checkpoint):
 
 
 def test_a_gguf_says_what_it_carries(tmp_path, checkpoint):
-    """A GGUF without `nextn` blocks has no MTP layers; one with them is pointed to its HF checkpoint."""
+    """A GGUF without `nextn` blocks has no MTP layers; one of a family whose blocks are not read says so."""
     import gguf
 
     models = loaded(checkpoint[3])
-    for nextn in (0, 1):
+    for architecture, nextn in (("qwen3next", 0), ("glm4moe", 1)):
         path = tmp_path / f"model-{nextn}.gguf"
-        writer = gguf.GGUFWriter(str(path), "qwen3next")
+        writer = gguf.GGUFWriter(str(path), architecture)
         if nextn:
-            writer.add_uint32("qwen3next.nextn_predict_layers", nextn)
+            writer.add_uint32(f"{architecture}.nextn_predict_layers", nextn)
         writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        with pytest.raises(MissingMtp, match="reads from a Hugging Face" if nextn else "no `nextn` blocks"):
+        with pytest.raises(MissingMtp, match="does not read" if nextn else "no `nextn` blocks"):
+            check_mtp_source(str(path))
+        with pytest.raises(MissingMtp, match="does not read" if nextn else "no `nextn` blocks"):
             load_mtp_head(path, models.target)
+
+
+@torch.no_grad()
+def test_a_qwen3_next_gguf_drafts_with_its_nextn_block(tmp_path, monkeypatch):
+    """llama.cpp's converter keeps the MTP layers as a `nextn` block after the others: read as stored, the head
+    gives the HF checkpoint's head's logits on the same rows, and drafting with it gives plain decoding's tokens."""
+    from native_families import load_gguf_as_stored
+    from test_qwen3_next_gguf import gguf_hf, write_next_gguf
+
+    from specdecode.weights.loading import Models
+
+    hf = gguf_hf()
+    tensors = mtp_tensors(hf, reference_layer(hf))
+    folder = tmp_path / "hf"
+    save_with_mtp(hf, folder, tensors)
+    target, _ = load_gguf_as_stored(tmp_path, monkeypatch, "next-mtp.gguf", hf,
+                                    lambda path, hf: write_next_gguf(path, hf, None, tensors))
+    path = tmp_path / "next-mtp.gguf"
+    assert target.config.num_layers == 4 and not any("mtp" in n for n, _ in target.named_parameters())
+    check_mtp_source(str(path))  # carried: not refused
+    logits = []
+    for source, model in ((path, target), (folder, loaded(folder).target)):
+        head = load_mtp_head(source, model)
+        ids = torch.tensor([PROMPT[:7]])
+        _, hidden = model(ids, torch.arange(7)[None], model.new_cache(1, 16), chain_mask(0, 7))
+        embeds = model.model.embed_tokens(ids[0, 1:7][None])[0]
+        out = head.step(embeds, hidden[0, :6], torch.arange(6), head.new_cache(16), chain_mask(0, 6)[0, 0])
+        logits.append(head.logits(out))
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)
+    models = Models(target, None, source=str(path))
+    reference = run(Engine(target, NoDrafter()), PROMPT)
+    for name in ("mtp", "hybrid-mtp"):
+        assert run(Engine(target, METHODS[name].build(models, True, 3), num_draft_tokens=4), PROMPT) == reference
 
 
 def test_refused_before_anything_loads(checkpoint, monkeypatch):
@@ -223,3 +258,18 @@ def test_requests_batched_with_mtp_give_their_own_tokens(checkpoint):
     alone = [run(Engine(target, NoDrafter()), p, 12) for p in prompts]
     engine = Engine(target, MtpDrafter.load(checkpoint[2], target, min_confidence=0.0), num_draft_tokens=3)
     assert run_batch(engine, [(p, params) for p in prompts], arrivals=[0, 1, 3]) == alone
+
+
+def test_a_gguf_ships_mtp_only_with_its_block(tmp_path, monkeypatch):
+    """bench and advise offer mtp for a Qwen3-Next GGUF with its nextn block, not for one without it."""
+    from test_qwen3_next_gguf import gguf_hf, write_next_gguf
+
+    from specdecode.drafters.mtp import ships_mtp
+
+    hf = gguf_hf()
+    with_block, without = tmp_path / "with.gguf", tmp_path / "without.gguf"
+    write_next_gguf(with_block, hf, None, mtp_tensors(hf, reference_layer(hf)))
+    write_next_gguf(without, hf)
+    assert ships_mtp(str(with_block)) is True and ships_mtp(str(without)) is False
+    (tmp_path / "junk.gguf").write_bytes(b"no")
+    assert ships_mtp(str(tmp_path / "junk.gguf")) is None

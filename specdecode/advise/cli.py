@@ -117,7 +117,7 @@ def candidate_list(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         out["mtp"] = {"method": "mtp", "draft": None}
     elif mtp is False:
         print(f"specdecode advise: {args.target} was saved without its multi-token-prediction layers (no `mtp.*` "
-              "tensors), so --method mtp is not tried", file=sys.stderr)
+              "tensors or `nextn` block), so --method mtp is not tried", file=sys.stderr)
     return out
 
 

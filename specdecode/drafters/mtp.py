@@ -8,15 +8,17 @@ its shared expert), a final norm, and the target's LM head. Deeper than one toke
 state, as the layer is applied again for each further depth. The embedding and the LM head are the target's (never
 copied); the module's own attention layer keeps its own one-layer KV cache over the committed context.
 
-The weights are read from the checkpoint folder when the method is asked for, not at every load; a file without
-them (a converted or re-saved checkpoint, a GGUF: llama.cpp keeps them as `nextn` blocks, not read here) is said
-in one line (`MissingMtp`).
+The weights are read from the checkpoint when the method is asked for, not at every load: an HF folder's `mtp.*`
+tensors, or a Qwen3-Next GGUF's `nextn` block (llama.cpp's converter keeps it after the others; as stored, on the
+integer kernels). A file without them (a converted or re-saved checkpoint, most GGUFs) is said in one line
+(`MissingMtp`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from specdecode.planner.tuning import HEAD_MIN_CONFIDENCE
 
 PREFIX = "mtp."  # the tensors' prefix in a Hugging Face checkpoint
 MTP_FAMILIES = ("qwen3_next",)  # the native families whose released checkpoints carry MTP layers
+GGUF_MTP_ARCHITECTURES = ("qwen3next",)  # the GGUF architectures whose `nextn` block is read (gguf_qwen3next.py)
 
 
 class MissingMtp(SpecdecodeError):
@@ -129,46 +132,71 @@ class MtpDrafter(EagleDrafter):
 
 
 def load_mtp_head(source: str | Path, target: torch.nn.Module) -> MtpHead:
-    """The MTP module of the checkpoint `source` (a Hugging Face folder or hub id the target was loaded from), in
-    float32 on the target's device; MissingMtp where it carries none."""
+    """The MTP module of the checkpoint `source` the target was loaded from: a Hugging Face folder or hub id (its
+    `mtp.*` tensors, float32, on the target's device) or a Qwen3-Next GGUF (its `nextn` block as stored, on the
+    integer kernels); MissingMtp where it carries none."""
     from specdecode.weights.files import resolve_source
 
     if not isinstance(target, Transformer):
         raise MissingMtp("--method mtp runs on the native model; this architecture runs through transformers")
     path = resolve_source(str(source))
-    if path.is_file():  # a GGUF: llama.cpp's converters keep MTP layers (`nextn`) for other families only
-        raise MissingMtp(gguf_lacks_mtp(path))
-    tensors = read_mtp_tensors(path)
-    if not tensors:
-        raise MissingMtp(folder_lacks_mtp(source))
-    head = MtpHead(target).to(target.device)
-    missing, _ = head.load_state_dict(tensors, strict=False)
-    if missing:
+    floats, packed = gguf_mtp_tensors(path) if path.is_file() else (read_mtp_tensors(path), {})
+    if not floats and not packed:
+        raise MissingMtp(gguf_lacks_mtp(path) if path.is_file() else folder_lacks_mtp(source))
+    with torch.device("meta"):  # no random init of weights replaced at once (an 80B model's layer has 512 experts)
+        head = MtpHead(target)
+    head.load_state_dict(floats, strict=False, assign=True)
+    if packed:
+        from specdecode.weights.quantize import apply_packed_
+
+        apply_packed_(head, packed)  # its blocks on the integer kernels, as the target's
+    if missing := [name for name, p in head.named_parameters() if p.is_meta]:
         raise MissingMtp(f"{source}'s multi-token-prediction layers lack {len(missing)} weights (first: "
                          f"{PREFIX}{missing[0]}): the checkpoint is incomplete")
-    if target.device.type == "cpu":
+    head = head.to(target.device)
+    if target.device.type == "cpu" and not packed:
         from specdecode.weights.quantize import quantize_
 
         quantize_(head, "none")  # its linear layers on the CPU kernels, as the target's
     return head.eval()
 
 
+def gguf_mtp_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A GGUF's MTP block as the stored reader keeps it (weights/gguf_qwen3next.py): (float tensors, blocks), named
+    as the module's parameters; empty where it has none."""
+    if not gguf_reads_mtp(path):
+        return {}, {}
+    from specdecode.weights.gguf_stored import load_stored
+
+    ckpt = load_stored(path)
+    floats = {name[len(PREFIX) :]: t.float() for name, t in ckpt.floats.items() if name.startswith(PREFIX)}
+    packed = {name[len(PREFIX) :]: w for name, w in ckpt.packed.items() if name.startswith(PREFIX)}
+    return floats, packed
+
+
 def check_mtp_source(source: str) -> None:
     """Before any model loads: MissingMtp where `source` is a local GGUF file or a local folder without MTP layers.
     A hub id or packaged name is checked once loaded (load_mtp_head)."""
     path = Path(source).expanduser()
-    if path.is_file():
+    if path.is_file() and not gguf_reads_mtp(path):
         raise MissingMtp(gguf_lacks_mtp(path))
     if path.is_dir() and (path / "config.json").is_file() and not carries_mtp(path):
         raise MissingMtp(folder_lacks_mtp(source))
 
 
+def gguf_reads_mtp(path: Path) -> bool:
+    """Whether a GGUF's MTP block is one this version reads: Qwen3-Next's (llama.cpp keeps it as a `nextn` block
+    after the others)."""
+    from specdecode.weights.files import gguf_architecture
+
+    return gguf_nextn_layers(path) > 0 and gguf_architecture(path) in GGUF_MTP_ARCHITECTURES
+
+
 def gguf_lacks_mtp(path: Path) -> str:
-    """Why a GGUF file gives no MTP drafter: llama.cpp's converter keeps a Qwen3-Next checkpoint's MTP layers as
-    `nextn` blocks after the others, which this version does not read; most files have none."""
+    """Why a GGUF file gives no MTP drafter: it has no `nextn` block (most files), or one of a family not read."""
     if gguf_nextn_layers(path):
-        return (f"{path.name} carries multi-token-prediction layers (`nextn` blocks), which specdecode reads from a "
-                "Hugging Face checkpoint's `mtp.*` tensors only: run --method mtp on the HF folder")
+        return (f"{path.name} carries multi-token-prediction layers (`nextn` blocks) of a family whose MTP layers "
+                f"specdecode does not read (it reads {', '.join(GGUF_MTP_ARCHITECTURES)}'s): pick another --method")
     return (f"{path.name} carries no multi-token-prediction layers (no `nextn` blocks: its family has none, or its "
             "conversion left them out): pick another --method")
 
@@ -211,10 +239,19 @@ def read_mtp_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def ships_mtp(target: str) -> bool | None:
-    """True where `target` is a local HF folder carrying MTP layers, False where its family ships them and it does
-    not (converted or re-saved without), None otherwise (not a local folder, or a family without them). Reads
-    names only."""
+    """True where `target` is a local HF folder or GGUF carrying MTP layers this version reads, False where its
+    family ships them and it does not (converted or re-saved without), None otherwise (not a local file or folder, or
+    a family without them). Reads names and headers only."""
     folder = Path(target).expanduser()
+    if folder.is_file():
+        from specdecode.weights.files import gguf_architecture
+
+        try:
+            if gguf_reads_mtp(folder):
+                return True
+            return False if gguf_architecture(folder) in GGUF_MTP_ARCHITECTURES else None
+        except (OSError, ValueError, struct.error):  # not a GGUF: the load says so, in its own words
+            return None
     if not (folder / "config.json").is_file():
         return None
     if carries_mtp(folder):

@@ -11,7 +11,8 @@ what llama.cpp's converter changed undone (`finish`):
 - the shared expert's gate is a vector.
 Norm weights hold 1 + w as written (but the DeltaNet output norm's, applied as is): loading.py runs every GGUF's
 norms as plain multipliers. Every layer has experts (llama.cpp has no dense layer for this architecture). The MTP
-block the converter keeps after the others (`nextn_predict_layers`) is not read here.
+block the converter keeps after the others (`nextn_predict_layers`: the layer under the next block number, its
+fc and norms as `nextn.*`) is kept under the HF checkpoint's `mtp.*` names, for `--method mtp`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ NAMES = [
     (r"blk\.(\d+)\.ffn_gate_shexp\.weight", r"model.layers.\1.mlp.shared_expert.gate_proj.weight"),
     (r"blk\.(\d+)\.ffn_up_shexp\.weight", r"model.layers.\1.mlp.shared_expert.up_proj.weight"),
     (r"blk\.(\d+)\.ffn_down_shexp\.weight", r"model.layers.\1.mlp.shared_expert.down_proj.weight"),
+    # the MTP block's own (after the trunk's blocks; `finish` moves them under mtp.)
+    (r"blk\.(\d+)\.nextn\.(eh_proj|enorm|hnorm|shared_head_norm)\.weight", r"model.layers.\1.nextn.\2.weight"),
 ]
+# the MTP block's nextn tensors -> the Hugging Face checkpoint's mtp.* names (drafters/mtp.py reads those)
+NEXTN_NAMES = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+               "shared_head_norm": "norm"}
 
 
 def config_fields(reader: Any) -> dict[str, Any]:
@@ -108,13 +114,22 @@ def tokenizer(gguf: Path):
 
 
 def finish(config: Any, blocks: dict[str, PackedWeight], floats: dict[str, Tensor]) -> None:
-    """Undo the converter's changes (module docstring), in place; drop what the model does not read (the MTP
-    block's layer)."""
+    """Undo the converter's changes (module docstring), in place; the MTP block (after the trunk's) under the
+    checkpoint's `mtp.*` names, which the model ignores and the MTP drafter reads."""
     layers = config.num_hidden_layers
     for name in [n for n in (*blocks, *floats) if n.startswith("model.layers.")]:
-        if int(name.split(".")[2]) >= layers:
-            blocks.pop(name, None)
-            floats.pop(name, None)
+        if (index := int(name.split(".")[2])) >= layers:
+            rest = name.split(".", 3)[3]
+            if rest.startswith("nextn."):
+                kind = rest.split(".")[1]
+                moved = f"mtp.{NEXTN_NAMES[kind]}.weight" if index == layers else None
+            else:
+                moved = f"mtp.layers.{index - layers}.{rest}"
+            for table in (blocks, floats):
+                if name in table:
+                    value = table.pop(name)
+                    if moved is not None:
+                        table[moved] = value
     order = qkvz_rows(config)
     for i, kind in enumerate(config.layer_types):
         if kind != "linear_attention":
@@ -130,10 +145,9 @@ def finish(config: Any, blocks: dict[str, PackedWeight], floats: dict[str, Tenso
             floats[at + "A_log"] = torch.log(-a.float())
         if (conv := floats.get(at + "conv1d.weight")) is not None and conv.dim() == 2:
             floats[at + "conv1d.weight"] = conv.float()[:, None, :]
-    for i in range(layers):
-        gate = f"model.layers.{i}.mlp.shared_expert_gate.weight"
-        if (vector := floats.get(gate)) is not None and vector.dim() == 1:
-            floats[gate] = vector.float()[None]
+    for gate in [n for n in floats if n.endswith("mlp.shared_expert_gate.weight")]:  # the MTP block's too
+        if floats[gate].dim() == 1:
+            floats[gate] = floats[gate].float()[None]
 
 
 def qkvz_rows(config: Any) -> Tensor:

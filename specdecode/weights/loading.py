@@ -227,12 +227,20 @@ def _native(hf_config: dict, state_dict: dict[str, torch.Tensor], device: str, g
     return model.to(device).eval()
 
 
+def drop_mtp_layers(ckpt) -> None:
+    """A stored checkpoint's multi-token-prediction tensors (`mtp.*`, a GGUF's `nextn` block) taken out, in place."""
+    for table in (ckpt.floats, ckpt.packed):
+        for name in [n for n in table if n.startswith("mtp.")]:
+            del table[name]
+
+
 def _float_from_stored(gguf, dtype: torch.dtype, device: str, quantize: str) -> tuple[Transformer, object]:
     """A GGUF in float that transformers' converter cannot read: our own reader's tensors (gguf_stored.py), the
     blocks de-quantized, on the native model."""
     from specdecode.weights.gguf_stored import load_stored
 
     ckpt = load_stored(gguf)
+    drop_mtp_layers(ckpt)
     state = {name: t.to(dtype) for name, t in ckpt.floats.items()}
     state.update((name, packed.dequantize().to(dtype)) for name, packed in ckpt.packed.items())
     ckpt.floats.clear()
@@ -244,6 +252,7 @@ def _stored(gguf, dtype: torch.dtype, tokenizer_like: Any = None, narrow: str = 
     from specdecode.weights.gguf_stored import load_stored
 
     ckpt = load_stored(gguf, tokenizer_like=tokenizer_like, narrow=narrow)
+    drop_mtp_layers(ckpt)  # read by the MTP drafter alone, when asked for (drafters/mtp.py)
     if not runs_natively(ckpt.config):
         raise SpecdecodeError(f"{gguf.name}: weights as stored run on the native llama-family model only; "
                               "use --weights float for this architecture")
