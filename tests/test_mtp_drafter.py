@@ -273,3 +273,41 @@ def test_a_gguf_ships_mtp_only_with_its_block(tmp_path, monkeypatch):
     assert ships_mtp(str(with_block)) is True and ships_mtp(str(without)) is False
     (tmp_path / "junk.gguf").write_bytes(b"no")
     assert ships_mtp(str(tmp_path / "junk.gguf")) is None
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_sampled_outputs_with_mtp_follow_the_targets_distribution(width):
+    """Sampling with the MTP drafter (a chain at temperature 1, a tree of top-3 at 0.6), over four tokens: every
+    output of three tokens enumerated exactly, drafts rejected often enough to matter."""
+    from native_families import native
+    from test_qwen3_next_native import SAMPLED_TRIALS
+    from test_sampling_new_families import EOS, exact_outputs, seeded
+    from toy import assert_exact_distribution
+
+    from specdecode.weights.quantize import quantize_
+
+    hf = next_hf(0, vocab_size=4)
+    with torch.no_grad():  # random tiny models give near-uniform logits: sharpened, drafts get rejected
+        hf.model.norm.weight.copy_(8.0 * (1 + hf.model.norm.weight) - 1)
+    target = quantize_(native(hf), "none")
+    target.config.eos_token_ids = (EOS,)
+    torch.manual_seed(4)
+    head = MtpHead(target)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    head = quantize_(head.eval(), "none")
+    params = (SamplingParams(temperature=1.0, max_new_tokens=3) if width == 1
+              else SamplingParams(temperature=0.6, top_k=3, max_new_tokens=3))
+    prompt = [0, 1, 2, 1, 0, 2]
+    exact = exact_outputs(target, prompt, params)
+    engine = Engine(target, MtpDrafter(head, target, width=width, min_confidence=0.0), num_draft_tokens=3)
+    counts: dict[tuple, int] = {}
+    rejected = 0
+    for i in range(SAMPLED_TRIALS):
+        out = tuple(t for step in engine.generate(prompt, seeded(params, i)) for t in step.tokens)
+        counts[out] = counts.get(out, 0) + 1
+        rejected += sum(engine.last.stats.accepted_at) < sum(engine.last.stats.drafted_at)
+    assert rejected > SAMPLED_TRIALS / 20, rejected  # rollbacks happened
+    assert_exact_distribution(counts, exact)
