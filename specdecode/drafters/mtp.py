@@ -189,7 +189,8 @@ def gguf_reads_mtp(path: Path) -> bool:
     after the others)."""
     from specdecode.weights.files import gguf_architecture
 
-    return gguf_nextn_layers(path) > 0 and gguf_architecture(path) in GGUF_MTP_ARCHITECTURES
+    # the header's architecture first: a file of another family is never parsed whole
+    return gguf_architecture(path) in GGUF_MTP_ARCHITECTURES and gguf_nextn_layers(path) > 0
 
 
 def gguf_lacks_mtp(path: Path) -> str:
