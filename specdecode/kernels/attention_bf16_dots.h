@@ -117,59 +117,67 @@ struct DotsUnit {
     return specdecode::block_readers(R, F, prefix, j0, width, first, last);
   }
 
-  // Scores of every row's first F[r] slots into out + n s_stride + j, times scale.
+  // Scores of every row's first F[r] slots into out + n s_stride + j, times scale. Two blocks of 16 keys a pass: a
+  // head's two chains of dot products are independent, so six heads keep twelve in flight, enough to cover the
+  // dot product's latency (six chains ran at half its throughput). Each score is still one chain over p in order.
   void scores(const float* q, int64_t stride, const at::BFloat16* k, float scale, float* out, int64_t s_stride) {
     thread_local std::vector<uint16_t> qb_buffer;
     thread_local std::vector<uint32_t> kt_buffer;
     const int64_t P = D / 2;  // dimension pairs a key
     uint16_t* qb = scratch(qb_buffer, NQ * D);  // each query rounded to bfloat16
-    uint32_t* kt = scratch(kt_buffer, P * 16);  // [P][16 keys]: a block of keys transposed
+    uint32_t* kt = scratch(kt_buffer, 2 * P * 16);  // [2 blocks][P][16 keys]: 32 keys transposed
     for (int64_t n = 0; n < NQ; ++n) {
       const float* x = q + (n / G) * D + (n % G) * stride;
       for (int64_t d = 0; d < D; d += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + n * D + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + d)));
     }
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(k);  // [slots][P]
-    auto transpose = [&](auto row_of) {
-      for (int64_t p0 = 0; p0 < P; p0 += 16) {
-        __m512i block[16];
-        for (int i = 0; i < 16; ++i) block[i] = _mm512_loadu_si512(keys + row_of(i) * P + p0);
-        transpose16(block);
-        for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + (p0 + i) * 16, block[i]);
-      }
+    auto transpose = [&](auto row_of) {  // keys row_of(0 .. 31) into the two blocks
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t p0 = 0; p0 < P; p0 += 16) {
+          __m512i block[16];
+          for (int i = 0; i < 16; ++i) block[i] = _mm512_loadu_si512(keys + row_of(16 * b + i) * P + p0);
+          transpose16(block);
+          for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + (b * P + p0 + i) * 16, block[i]);
+        }
     };
-    auto dots = [&](int64_t r, int64_t j0) {  // row r's heads against the transposed block, NH chains at a time
+    auto dots = [&](int64_t r, int64_t j0) {  // row r's heads against the transposed blocks, 2 NH chains at a time
       each_group([&](auto nh, int64_t g0) {
         constexpr int NH = decltype(nh)::value;
         const uint32_t* qp[NH];
-        __m512 acc[NH];
+        __m512 acc[NH][2];
         for (int h = 0; h < NH; ++h) {
           qp[h] = reinterpret_cast<const uint32_t*>(qb + (r * G + g0 + h) * D);
-          acc[h] = _mm512_setzero_ps();
+          acc[h][0] = acc[h][1] = _mm512_setzero_ps();
         }
         for (int64_t p = 0; p < P; ++p) {
-          const __m512i column = _mm512_load_si512(kt + p * 16);
-          for (int h = 0; h < NH; ++h) acc[h] = dot_pairs(acc[h], _mm512_set1_epi32(static_cast<int>(qp[h][p])), column);
+          const __m512i low = _mm512_load_si512(kt + p * 16), high = _mm512_load_si512(kt + (P + p) * 16);
+          for (int h = 0; h < NH; ++h) {
+            const __m512i pair = _mm512_set1_epi32(static_cast<int>(qp[h][p]));
+            acc[h][0] = dot_pairs(acc[h][0], pair, low);
+            acc[h][1] = dot_pairs(acc[h][1], pair, high);
+          }
         }
         for (int h = 0; h < NH; ++h)
-          _mm512_storeu_ps(out + (r * G + g0 + h) * s_stride + j0, _mm512_mul_ps(acc[h], _mm512_set1_ps(scale)));
+          for (int b = 0; b < 2; ++b)
+            _mm512_storeu_ps(out + (r * G + g0 + h) * s_stride + j0 + 16 * b, _mm512_mul_ps(acc[h][b], _mm512_set1_ps(scale)));
       });
     };
-    for (int64_t j0 = 0; j0 < FM; j0 += 16) {
+    for (int64_t j0 = 0; j0 < FM; j0 += 32) {  // F[r] is a multiple of 32
       int64_t first, last;
-      // the cache's own keys two blocks ahead into L1: the transposes' loads of 16 rows at once stalled on memory
+      // the cache's own keys a block ahead into L1: the transposes' loads of 16 rows at once stalled on memory
       // (a quarter of a one-row forward's samples on one load), which the hardware's prefetch did not cover
-      if (j0 + 48 <= FM)
-        for (int64_t line = 0; line < D / 2; ++line)  // 16 keys of 2 D bytes
+      if (j0 + 64 <= FM)
+        for (int64_t line = 0; line < D; ++line)  // 32 keys of 2 D bytes
           _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + 32) * P) + 64 * line, _MM_HINT_T0);
-      if (readers(j0, 16, first, last)) {
+      if (readers(j0, 32, first, last)) {
         transpose([&](int i) { return j0 + i; });
         for (int64_t r = first; r <= last; ++r)
-          if (F[r] >= j0 + 16) dots(r, j0);
+          if (F[r] >= j0 + 32) dots(r, j0);
         continue;
       }
       for (int64_t r = first; r <= last; ++r) {  // some row reads other slots here: each row its own
-        if (F[r] < j0 + 16) continue;
+        if (F[r] < j0 + 32) continue;
         transpose([&](int i) { return slot(r, j0 + i); });
         dots(r, j0);
       }
@@ -177,33 +185,41 @@ struct DotsUnit {
   }
 
   // The weighted values of every row's first F[r] slots (its weights at weights + n s_stride + j, unnormalised),
-  // into out + r out_row + g D, where the float path continues.
+  // into out + r out_row + g D, where the float path continues. A block of 32 slots' values is packed whole (all D
+  // dimensions, 2 D bytes a slot in L1) and then weighed 64 dimensions a pass: each value row comes from memory
+  // once (passes over the slots for each 64 dimensions read every row twice). Each lane's sum still runs over its
+  // row's slots in order.
   void values(const at::BFloat16* v, const float* weights, int64_t s_stride, float* out, int64_t out_row) {
     thread_local std::vector<uint16_t> wb_buffer;
     thread_local std::vector<uint32_t> vt_buffer;
+    const int64_t C = D / 16;  // vectors of packed pairs a slot pair: D / 64 passes of 4
     uint16_t* wb = scratch(wb_buffer, NQ * FM);  // [NQ][FM]: weights rounded to bfloat16
-    uint32_t* vt = scratch(vt_buffer, 16 * 64);  // [16 slot pairs][64 dimensions]: a block's values interleaved
-    for (int64_t n = 0; n < NQ; ++n)
-      for (int64_t j = 0; j < F[n / G]; j += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + n * FM + j),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(weights + n * s_stride + j)));
+    uint32_t* vt = scratch(vt_buffer, 16 * C * 16);  // [16 slot pairs][C][16]: a block's values interleaved
+    for (int64_t n = 0; n < NQ; ++n) {  // the bound held apart: stores through wb would reload it, with a division
+      const int64_t f = F[n / G];
+      const float* from = weights + n * s_stride;
+      uint16_t* to = wb + n * FM;
+      for (int64_t j = 0; j < f; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(from + j)));
+    }
     const uint16_t* values = reinterpret_cast<const uint16_t*>(v);
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      // vt[k][c]: the values of slots 2k and 2k + 1 as pairs, 16 dimensions a vector, in unpack order (c = 0, 1:
-      // the low and high halves of each 8 of dimensions d0 .. d0 + 31; 2, 3: of d0 + 32 ..): one shuffle a vector,
-      // where widening each row's values to 32 bits took four. `unpacked` puts the sums back in order at the end.
-      auto pack = [&](auto row_of) {
-        for (int k = 0; k < 16; ++k) {
-          const uint16_t* even = values + row_of(2 * k) * D + d0;
-          const uint16_t* odd = values + row_of(2 * k + 1) * D + d0;
-          for (int half = 0; half < 2; ++half) {
-            const __m512i e = _mm512_loadu_si512(even + 32 * half), o = _mm512_loadu_si512(odd + 32 * half);
-            _mm512_store_si512(vt + (k * 4 + 2 * half) * 16, _mm512_unpacklo_epi16(e, o));
-            _mm512_store_si512(vt + (k * 4 + 2 * half + 1) * 16, _mm512_unpackhi_epi16(e, o));
-          }
+    // vt[k][4 pass + c]: the values of slots 2k and 2k + 1 as pairs, 16 dimensions a vector, in unpack order (c =
+    // 0, 1: the low and high halves of each 8 of the pass's dimensions d0 .. d0 + 31; 2, 3: of d0 + 32 ..): one
+    // shuffle a vector, where widening each row's values to 32 bits took four. `unpacked` puts the sums back in
+    // order at the end.
+    auto pack = [&](auto row_of) {
+      for (int k = 0; k < 16; ++k) {
+        const uint16_t* even = values + row_of(2 * k) * D;
+        const uint16_t* odd = values + row_of(2 * k + 1) * D;
+        for (int64_t half = 0; half < D / 32; ++half) {
+          const __m512i e = _mm512_loadu_si512(even + 32 * half), o = _mm512_loadu_si512(odd + 32 * half);
+          _mm512_store_si512(vt + (k * C + 2 * half) * 16, _mm512_unpacklo_epi16(e, o));
+          _mm512_store_si512(vt + (k * C + 2 * half + 1) * 16, _mm512_unpackhi_epi16(e, o));
         }
-      };
-      auto weigh = [&](int64_t r, int64_t j0) {  // row r's heads over the packed block, from their sums so far
+      }
+    };
+    auto weigh = [&](int64_t r, int64_t j0) {  // row r's heads over the packed block, from their sums so far
+      for (int64_t d0 = 0; d0 < D; d0 += 64)
         each_group([&](auto nh, int64_t g0) {
           constexpr int NH = decltype(nh)::value;
           __m512 acc[NH][4];
@@ -215,7 +231,7 @@ struct DotsUnit {
           }
           for (int k = 0; k < 16; ++k) {
             __m512i pair[4];
-            for (int c = 0; c < 4; ++c) pair[c] = _mm512_load_si512(vt + (k * 4 + c) * 16);
+            for (int c = 0; c < 4; ++c) pair[c] = _mm512_load_si512(vt + (k * C + d0 / 16 + c) * 16);
             for (int h = 0; h < NH; ++h) {
               const __m512i weight = _mm512_set1_epi32(static_cast<int>(w[h][k]));
               for (int c = 0; c < 4; ++c) acc[h][c] = dot_pairs(acc[h][c], weight, pair[c]);
@@ -226,24 +242,22 @@ struct DotsUnit {
             for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + 16 * c, acc[h][c]);
           }
         });
-      };
-      for (int64_t j0 = 0; j0 < FM; j0 += 32) {
-        int64_t first, last;
-        if (j0 + 64 <= FM)  // the next block's values (this pass's 128 bytes of each row) into L1
-          for (int j = 0; j < 32; ++j)
-            for (int line = 0; line < 2; ++line)
-              _mm_prefetch(reinterpret_cast<const char*>(values + (j0 + 32 + j) * D + d0) + 64 * line, _MM_HINT_T0);
-        if (readers(j0, 32, first, last)) {
-          pack([&](int j) { return j0 + j; });
-          for (int64_t r = first; r <= last; ++r)
-            if (F[r] >= j0 + 32) weigh(r, j0);
-          continue;
-        }
-        for (int64_t r = first; r <= last; ++r) {
-          if (F[r] < j0 + 32) continue;
-          pack([&](int j) { return slot(r, j0 + j); });
-          weigh(r, j0);
-        }
+    };
+    for (int64_t j0 = 0; j0 < FM; j0 += 32) {
+      int64_t first, last;
+      if (j0 + 64 <= FM)  // the next block's values into L1
+        for (int64_t line = 0; line < D; ++line)  // 32 slots of 2 D bytes
+          _mm_prefetch(reinterpret_cast<const char*>(values + (j0 + 32) * D) + 64 * line, _MM_HINT_T0);
+      if (readers(j0, 32, first, last)) {
+        pack([&](int j) { return j0 + j; });
+        for (int64_t r = first; r <= last; ++r)
+          if (F[r] >= j0 + 32) weigh(r, j0);
+        continue;
+      }
+      for (int64_t r = first; r <= last; ++r) {
+        if (F[r] < j0 + 32) continue;
+        pack([&](int j) { return slot(r, j0 + j); });
+        weigh(r, j0);
       }
     }
     for (int64_t n = 0; n < NQ; ++n)

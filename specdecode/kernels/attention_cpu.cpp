@@ -441,7 +441,15 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
       for (; j < n; ++j) top = std::max(top, s[j]);
       const __m256 shift = _mm256_set1_ps(top);
       __m256 lanes = _mm256_setzero_ps();
-      for (j = 0; j < n; j += 8) {
+      j = 0;
+      for (; j + 16 <= n; j += 16) {  // whole vectors, two at a time; the sum adds eight lanes at a time in order
+        const __m256 w0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+        const __m256 w1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), shift));
+        _mm256_storeu_ps(s + j, w0);
+        _mm256_storeu_ps(s + j + 8, w1);
+        lanes = _mm256_add_ps(_mm256_add_ps(lanes, w0), w1);
+      }
+      for (; j < n; j += 8) {
         const int64_t live = std::min<int64_t>(8, n - j);
         for (int64_t i = live; i < 8; ++i) s[j + i] = top;
         const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)),
