@@ -16,10 +16,12 @@ kernels = cpu_kernels()
 
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 16), (14, 2, 64), (12, 1, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 16), (14, 2, 64), (12, 1, 128), (2, 2, 40),
+                                                    (10, 2, 48)])
 def test_kernel_attention_matches_sdpa(dtype, heads, kv_heads, dim):
     """Query heads per KV head odd and even, fewer and more than one group of the kernel's (three pairs of heads
-    for the scores, six heads for the values): the 0.5B draft's 14 / 2 heads of 64, the 1.5B's 12 / 2 of 128."""
+    for the scores, six heads for the values): the 0.5B draft's 14 / 2 heads of 64, the 1.5B's 12 / 2 of 128; one
+    head a KV head, and head sizes with an eight-lane tail."""
     torch.manual_seed(0)
     slots = 40
     q = torch.randn(1, heads, 4, dim)
@@ -264,10 +266,14 @@ def test_linears_run_together_equal_each_alone(rows):
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernel needs AVX2, FMA and a C++ compiler")
 @pytest.mark.parametrize(("dim", "dtype", "heads"), [(64, torch.float32, 6), (128, torch.float32, 6),
                                                     (24, torch.bfloat16, 6), (64, torch.float32, 14),
-                                                    (128, torch.float32, 12), (64, torch.float32, 28)])
+                                                    (128, torch.float32, 12), (64, torch.float32, 28),
+                                                    (40, torch.bfloat16, 2), (48, torch.bfloat16, 4),
+                                                    (128, torch.bfloat16, 10), (72, torch.float32, 16)])
 def test_kernel_attention_rows_together_equal_each_alone(dim, dtype, heads):
     """Rows attended together read the cache once for all of them (in chunks of rows): each row's output is
-    bit-identical to a call with that row alone, for chain rows, tree rows and long prefixes."""
+    bit-identical to a call with that row alone, for chain rows, tree rows and long prefixes; with 1 to 14 query
+    heads a KV head (the kernels' head groups, whole and split) and head sizes that are and are not a multiple of
+    16 (the values' 16-lane passes, then eight-lane ones)."""
     torch.manual_seed(1)
     kv_heads, slots = 2, 300
     k, v = torch.randn(1, kv_heads, slots, dim).to(dtype), torch.randn(1, kv_heads, slots, dim).to(dtype)

@@ -89,6 +89,38 @@ inline void score_pairs(const float* pairs, const T* const* keys, int64_t D, flo
 }
 #endif
 
+// Scores of NH heads (query h at q + h * stride) against eight keys, K keys at a time: each key's eight lanes are
+// loaded (a bfloat16 one widened) once for all NH heads, and NH K independent chains keep both multiply-add ports
+// busy (one head at a time loaded and widened every key for each of its multiply-adds). Each score is still its
+// own chain over d from zero, then sum8's lane sum and the scale: the one-head path's bits. Head h's eight scores
+// go to scores + h * s_stride, in the keys' order.
+template <int NH, int K, typename T>
+inline void score_heads(const float* q, int64_t stride, const T* const* keys, int64_t D, float scale, float* scores,
+                        int64_t s_stride) {
+  static_assert(8 % K == 0 && NH * K <= 12, "K divides the eight keys; the sums, the keys and a query fit 16 registers");
+  alignas(32) float parts[NH][8][8];  // head, key, lane: the chains' sums, for sum8
+  for (int k0 = 0; k0 < 8; k0 += K) {
+    __m256 a[NH][K];
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < K; ++i) a[h][i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 key[K];
+      for (int i = 0; i < K; ++i) key[i] = load8(keys[k0 + i] + d);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 qd = load8(q + h * stride + d);
+        for (int i = 0; i < K; ++i) a[h][i] = _mm256_fmadd_ps(qd, key[i], a[h][i]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < K; ++i) _mm256_store_ps(parts[h][k0 + i], a[h][i]);
+  }
+  for (int h = 0; h < NH; ++h) {
+    __m256 sums[8];
+    for (int i = 0; i < 8; ++i) sums[i] = _mm256_load_ps(parts[h][i]);
+    _mm256_storeu_ps(scores + h * s_stride, _mm256_mul_ps(sum8(sums), _mm256_set1_ps(scale)));
+  }
+}
+
 // How far ahead attention asks for the cache rows it reads next (the shared prefix's, in slot order): a one-row
 // forward's attention is bound by reading the cache, which no layer's weights leave in the caches. A scratch copy
 // of the loop over 28 layers' caches with the caches flushed: 34 -> 27 us per KV head and layer at one row, 300
@@ -391,15 +423,22 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
       }
     }
 #endif
-    for (; g < G; ++g) {
+    // the eight-lane path: heads in groups of at most six, as even as G allows (one group on the AVX-512 path's
+    // leftovers: none there)
+    const int64_t left = G - g, groups = (left + 5) / 6;
+    for (int64_t group = 0; group < groups; ++group) {
+      const int64_t heads = left / groups + (group < left % groups);
       const float* qg = q + r * D + g * stride;
-      __m256 a[8];
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qd = load8(qg + d);
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qd, load8(keys[i] + d), a[i]);
+      float* sg = scores + (r * G + g) * s_stride + j;
+      switch (heads) {
+        case 1: score_heads<1, 8>(qg, stride, keys, D, scale, sg, s_stride); break;
+        case 2: score_heads<2, 4>(qg, stride, keys, D, scale, sg, s_stride); break;
+        case 3: score_heads<3, 4>(qg, stride, keys, D, scale, sg, s_stride); break;
+        case 4: score_heads<4, 2>(qg, stride, keys, D, scale, sg, s_stride); break;
+        case 5: score_heads<5, 2>(qg, stride, keys, D, scale, sg, s_stride); break;
+        default: score_heads<6, 2>(qg, stride, keys, D, scale, sg, s_stride); break;
       }
-      _mm256_storeu_ps(scores + (r * G + g) * s_stride + j, _mm256_mul_ps(sum8(a), _mm256_set1_ps(scale)));
+      g += heads;
     }
   };
   auto slots8 = [&](int64_t r, int64_t j, const T** keys) {  // in sum8's order: lane i of its result is key j + i
@@ -432,11 +471,17 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
       float* s = scores + (r * G + g) * s_stride;
       float top = -INFINITY;
       j = 0;
-#if defined(__AVX512F__)
       // the maximum is the same number in any order; s[j] first, as std::max keeps `top` over a NaN score
+#if defined(__AVX512F__)
       __m512 most = _mm512_set1_ps(-INFINITY);
       for (; j + 16 <= n; j += 16) most = _mm512_max_ps(_mm512_loadu_ps(s + j), most);
       top = _mm512_reduce_max_ps(most);
+#else
+      __m256 most = _mm256_set1_ps(-INFINITY);
+      for (; j + 8 <= n; j += 8) most = _mm256_max_ps(_mm256_loadu_ps(s + j), most);
+      __m128 half = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+      half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+      top = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
 #endif
       for (; j < n; ++j) top = std::max(top, s[j]);
       const __m256 shift = _mm256_set1_ps(top);
@@ -470,9 +515,9 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
 #endif
   }
 #endif
-  // weighted sums of v, unnormalised, into `out`: 64 output lanes per pass, tiles of kSlots slots read once for all
-  // rows and heads (a row's first F[r] slots were summed in bfloat16 products: it goes on from those sums); the
-  // partial sums wait in `out` between tiles (a store and a load change no bit)
+  // weighted sums of v, unnormalised, into `out`: 64 output lanes a pass (AVX-512; 16 on AVX2), tiles of kSlots
+  // slots read once for all rows and heads (a row's first F[r] slots were summed in bfloat16 products: it goes on
+  // from those sums); the partial sums wait in `out` between tiles (a store and a load change no bit)
   constexpr int64_t kSlots = 32;
   static_assert(kSlots == 32, "a row's AMX part ends on a tile of kSlots");
   int64_t d0 = 0;
@@ -523,24 +568,76 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
         }
       }
 #else
-  for (; d0 + 64 <= D; d0 += 64)
-    for (int64_t j0 = 0; j0 < longest; j0 += kSlots)
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t end = std::min(count(r), j0 + kSlots);
-        if (j0 >= end) continue;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* s = scores + (r * G + g) * s_stride;
-          float* o = out + r * out_row + g * D + d0;
-          __m256 acc[8];
-          for (int c = 0; c < 8; ++c) acc[c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
-          for (j = j0; j < end; ++j) {
-            const __m256 w = _mm256_set1_ps(s[j]);
-            const T* row = v + slot(r, j) * D + d0;
-            for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(row + 8 * c), acc[c]);
-          }
-          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
-        }
+  // NH heads of a row at once over 16 lanes: each value row's 16 lanes are loaded (a bfloat16 one split into its
+  // even and odd lanes by shifts, no widening shuffle) once for all NH heads, 2 NH independent chains (one
+  // head at a time widened every value for each of its multiply-adds). Each lane's multiply-adds are the one-head
+  // path's, in the same order; a tile's 16-lane passes run while its values are in L1. A bfloat16 cache's sums wait
+  // in `out` as even lanes then odd ones, put back in order below.
+  constexpr bool split = std::is_same_v<T, at::BFloat16>;
+  const T* tile_rows[kSlots];  // the tile's value rows of the row at hand, looked up once for all its passes
+  auto weigh = [&](auto heads, int64_t r, int64_t g0, int64_t d, int64_t j0, int64_t end) {
+    constexpr int NH = decltype(heads)::value;
+    __m256 acc[NH][2];
+    for (int h = 0; h < NH; ++h) {
+      const float* o = out + r * out_row + (g0 + h) * D + d;
+      for (int c = 0; c < 2; ++c) acc[h][c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
+    }
+    const float* s = scores + (r * G + g0) * s_stride;
+    for (int64_t jj = j0; jj < end; ++jj) {
+      const T* row = tile_rows[jj - j0] + d;
+      __m256 value[2];
+      if constexpr (split) {
+        const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+        value[0] = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
+        value[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(both, 16), 16));  // no mask register
+      } else {
+        value[0] = _mm256_loadu_ps(reinterpret_cast<const float*>(row));
+        value[1] = _mm256_loadu_ps(reinterpret_cast<const float*>(row) + 8);
       }
+      for (int h = 0; h < NH; ++h) {
+        const __m256 w = _mm256_broadcast_ss(s + h * s_stride + jj);
+        for (int c = 0; c < 2; ++c) acc[h][c] = _mm256_fmadd_ps(w, value[c], acc[h][c]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      float* o = out + r * out_row + (g0 + h) * D + d;
+      for (int c = 0; c < 2; ++c) _mm256_storeu_ps(o + 8 * c, acc[h][c]);
+    }
+  };
+  // at most six heads a group: 12 sums, a value's two vectors and a weight in registers (12 chains hide the
+  // multiply-add's latency; 6 of them, three heads, could not)
+  const int64_t groups = (G + 5) / 6;
+  const int64_t paired = D / 16 * 16;  // lanes summed 16 at a time
+  for (int64_t j0 = 0; j0 < longest; j0 += kSlots)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t end = std::min(count(r), j0 + kSlots);
+      if (j0 >= end) continue;
+      for (int64_t jj = j0; jj < end; ++jj) tile_rows[jj - j0] = v + slot(r, jj) * D;
+      for (int64_t d = 0; d < paired; d += 16)
+        for (int64_t group = 0, g0 = 0; group < groups; ++group) {
+          const int64_t heads = G / groups + (group < G % groups);
+          switch (heads) {
+            case 1: weigh(std::integral_constant<int, 1>(), r, g0, d, j0, end); break;
+            case 2: weigh(std::integral_constant<int, 2>(), r, g0, d, j0, end); break;
+            case 3: weigh(std::integral_constant<int, 3>(), r, g0, d, j0, end); break;
+            case 4: weigh(std::integral_constant<int, 4>(), r, g0, d, j0, end); break;
+            case 5: weigh(std::integral_constant<int, 5>(), r, g0, d, j0, end); break;
+            default: weigh(std::integral_constant<int, 6>(), r, g0, d, j0, end); break;
+          }
+          g0 += heads;
+        }
+    }
+  if constexpr (split)  // even lanes, odd lanes -> lane order (moves only: the same bits)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < paired; d += 16) {
+          float* o = out + r * out_row + g * D + d;
+          const __m256 even = _mm256_loadu_ps(o), odd = _mm256_loadu_ps(o + 8);
+          const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+          _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
+          _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+        }
+  d0 = paired;
 #endif
   for (; d0 < D; d0 += 8)
     for (int64_t r = 0; r < R; ++r)
