@@ -89,6 +89,25 @@ inline void score_pairs(const float* pairs, const T* const* keys, int64_t D, flo
 }
 #endif
 
+// Heads [0, count) in groups of at most six, as even as count allows: f(first head, a group size of 1..6 as a
+// compile-time constant), so each group's loops over its heads unroll and keep their sums in registers.
+template <typename F>
+inline void six_head_groups(int64_t count, F&& f) {
+  const int64_t groups = (count + 5) / 6;
+  for (int64_t group = 0, first = 0; group < groups; ++group) {
+    const int64_t heads = count / groups + (group < count % groups);
+    switch (heads) {
+      case 1: f(first, std::integral_constant<int, 1>()); break;
+      case 2: f(first, std::integral_constant<int, 2>()); break;
+      case 3: f(first, std::integral_constant<int, 3>()); break;
+      case 4: f(first, std::integral_constant<int, 4>()); break;
+      case 5: f(first, std::integral_constant<int, 5>()); break;
+      default: f(first, std::integral_constant<int, 6>()); break;
+    }
+    first += heads;
+  }
+}
+
 // Scores of NH heads (query h at q + h * stride) against eight keys, K keys at a time: each key's eight lanes are
 // loaded (a bfloat16 one widened) once for all NH heads, and NH K independent chains keep both multiply-add ports
 // busy (one head at a time loaded and widened every key for each of its multiply-adds). Each score is still its
@@ -423,23 +442,12 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
       }
     }
 #endif
-    // the eight-lane path: heads in groups of at most six, as even as G allows (one group on the AVX-512 path's
-    // leftovers: none there)
-    const int64_t left = G - g, groups = (left + 5) / 6;
-    for (int64_t group = 0; group < groups; ++group) {
-      const int64_t heads = left / groups + (group < left % groups);
-      const float* qg = q + r * D + g * stride;
-      float* sg = scores + (r * G + g) * s_stride + j;
-      switch (heads) {
-        case 1: score_heads<1, 8>(qg, stride, keys, D, scale, sg, s_stride); break;
-        case 2: score_heads<2, 4>(qg, stride, keys, D, scale, sg, s_stride); break;
-        case 3: score_heads<3, 4>(qg, stride, keys, D, scale, sg, s_stride); break;
-        case 4: score_heads<4, 2>(qg, stride, keys, D, scale, sg, s_stride); break;
-        case 5: score_heads<5, 2>(qg, stride, keys, D, scale, sg, s_stride); break;
-        default: score_heads<6, 2>(qg, stride, keys, D, scale, sg, s_stride); break;
-      }
-      g += heads;
-    }
+    // the eight-lane path (on the AVX-512 path, its leftover heads: none there); more keys a pass for fewer heads
+    six_head_groups(G - g, [&](int64_t first, auto heads) {
+      constexpr int NH = decltype(heads)::value;
+      score_heads<NH, NH == 1 ? 8 : NH <= 3 ? 4 : 2>(q + r * D + (g + first) * stride, stride, keys, D, scale,
+                                                      scores + (r * G + g + first) * s_stride + j, s_stride);
+    });
   };
   auto slots8 = [&](int64_t r, int64_t j, const T** keys) {  // in sum8's order: lane i of its result is key j + i
     for (int i = 0; i < 4; ++i) keys[2 * i] = k + slot(r, j + i) * D, keys[2 * i + 1] = k + slot(r, j + 4 + i) * D;
@@ -548,24 +556,13 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + 16 * c, acc[h][c]);
     }
   };
-  const int64_t groups = (G + 5) / 6;  // at most six heads a group: 24 sums, their value row and a weight in registers
+  // at most six heads a group: 24 sums, their value row and a weight in registers
   for (; d0 + 64 <= D; d0 += 64)
     for (int64_t j0 = 0; j0 < longest; j0 += kSlots)
       for (int64_t r = 0; r < R; ++r) {
         const int64_t end = std::min(count(r), j0 + kSlots);
         if (j0 >= end || j0 < F[r]) continue;
-        for (int64_t group = 0, g0 = 0; group < groups; ++group) {
-          const int64_t heads = G / groups + (group < G % groups);
-          switch (heads) {
-            case 1: weigh(std::integral_constant<int, 1>(), r, g0, j0, end); break;
-            case 2: weigh(std::integral_constant<int, 2>(), r, g0, j0, end); break;
-            case 3: weigh(std::integral_constant<int, 3>(), r, g0, j0, end); break;
-            case 4: weigh(std::integral_constant<int, 4>(), r, g0, j0, end); break;
-            case 5: weigh(std::integral_constant<int, 5>(), r, g0, j0, end); break;
-            default: weigh(std::integral_constant<int, 6>(), r, g0, j0, end); break;
-          }
-          g0 += heads;
-        }
+        six_head_groups(G, [&](int64_t g0, auto heads) { weigh(heads, r, g0, j0, end); });
       }
 #else
   // NH heads of a row at once over 16 lanes: each value row's 16 lanes are loaded (a bfloat16 one split into its
@@ -606,7 +603,6 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
   };
   // at most six heads a group: 12 sums, a value's two vectors and a weight in registers (12 chains hide the
   // multiply-add's latency; 6 of them, three heads, could not)
-  const int64_t groups = (G + 5) / 6;
   const int64_t paired = D / 16 * 16;  // lanes summed 16 at a time
   for (int64_t j0 = 0; j0 < longest; j0 += kSlots)
     for (int64_t r = 0; r < R; ++r) {
@@ -614,18 +610,7 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t out_row, in
       if (j0 >= end) continue;
       for (int64_t jj = j0; jj < end; ++jj) tile_rows[jj - j0] = v + slot(r, jj) * D;
       for (int64_t d = 0; d < paired; d += 16)
-        for (int64_t group = 0, g0 = 0; group < groups; ++group) {
-          const int64_t heads = G / groups + (group < G % groups);
-          switch (heads) {
-            case 1: weigh(std::integral_constant<int, 1>(), r, g0, d, j0, end); break;
-            case 2: weigh(std::integral_constant<int, 2>(), r, g0, d, j0, end); break;
-            case 3: weigh(std::integral_constant<int, 3>(), r, g0, d, j0, end); break;
-            case 4: weigh(std::integral_constant<int, 4>(), r, g0, d, j0, end); break;
-            case 5: weigh(std::integral_constant<int, 5>(), r, g0, d, j0, end); break;
-            default: weigh(std::integral_constant<int, 6>(), r, g0, d, j0, end); break;
-          }
-          g0 += heads;
-        }
+        six_head_groups(G, [&](int64_t g0, auto heads) { weigh(heads, r, g0, d, j0, end); });
     }
   if constexpr (split)  // even lanes, odd lanes -> lane order (moves only: the same bits)
     for (int64_t r = 0; r < R; ++r)
